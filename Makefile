@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (the main job) and `make test`. Both install
+# what they need first and are safe to run again.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# torch is pinned to the local CPU wheel: an unpinned torch pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint bench gpu-check clean
+
+install:
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+
+demo: install
+	$(PYTHON) -m experiments.bench_tree
+
+test: install
+	$(PYTHON) -m ruff check radixkv experiments tests
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check radixkv experiments tests
+
+bench:
+	$(PYTHON) -m experiments.bench_tree
+
+clean:
+	rm -rf .pytest_cache .ruff_cache .hypothesis build *.egg-info

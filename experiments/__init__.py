@@ -1,0 +1,1 @@
+"""Experiments and benchmarks built on radixkv."""

@@ -1,0 +1,111 @@
+"""One workload through caches x capacities x policies in the simulator.
+
+``python -m experiments.simulate --workload shared_prefix --caches radix,hash,none``
+prints a table of hit rates next to the upper bound (and Belady's bound at
+each capacity), writes ``results/simulate-<workload>.jsonl`` with every
+run's full config and ``.png`` with hit rate against capacity.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
+from radixkv import workloads  # noqa: E402
+from radixkv.sim import simulate, upper_bound  # noqa: E402
+
+
+def capacities(requests, fractions: list[float]) -> list[int | None]:
+    """KV budgets as fractions of the workload's total tokens (prompt + output); 0 means unlimited."""
+    total = sum(r.prompt_len + r.output_len for r in requests)
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    return [None if f == 0 else max(int(total * f), longest) for f in fractions]
+
+
+def run_grid(requests, caches, caps, evictions, schedules, args) -> list[dict]:
+    """Every combination, plus Belady at each finite capacity; rows carry their full config."""
+    ub = upper_bound(requests, page_size=args.page_size)
+    jobs = [(c, cap, e, s) for c in caches for cap in caps for e in evictions for s in schedules]
+    rows, belady = [], {}
+    for cache, cap, ev, sched in tqdm(jobs, desc="simulate", unit="run"):
+        res = simulate(requests, cache=cache, capacity_tokens=cap, page_size=args.page_size,
+                       block_size=args.block_size, eviction_policy=ev, schedule_policy=sched,
+                       max_running=args.max_running, seed=args.seed, in_batch_sharing=args.in_batch_sharing)
+        if cap not in belady:
+            belady[cap] = simulate(requests, cache="radix", capacity_tokens=cap, page_size=args.page_size,
+                                   eviction_policy="belady", schedule_policy=sched, max_running=args.max_running,
+                                   in_batch_sharing=args.in_batch_sharing).hit_rate
+        row = {"workload": args.workload, **res.config, **res.summary(), "upper_bound": ub,
+               "belady_hit_rate": belady[cap]}
+        row["pct_of_upper_bound"] = 100 * res.hit_rate / ub if ub else 0.0
+        row["pct_of_belady"] = 100 * res.hit_rate / belady[cap] if belady[cap] else 0.0
+        rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], title: str):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    finite = [r for r in rows if r["capacity_tokens"] is not None]
+    for key in sorted({(r["cache"], r["eviction_policy"], r["schedule_policy"]) for r in finite}):
+        pts = sorted((r["capacity_tokens"], r["hit_rate"]) for r in finite
+                     if (r["cache"], r["eviction_policy"], r["schedule_policy"]) == key)
+        ax.plot(*zip(*pts, strict=True), marker="o", label="/".join(key))
+    if finite:
+        caps = sorted({r["capacity_tokens"] for r in finite})
+        ax.plot(caps, [next(r["belady_hit_rate"] for r in finite if r["capacity_tokens"] == c) for c in caps],
+                "k--", label="belady (radix)")
+        ax.axhline(rows[0]["upper_bound"], color="grey", linestyle=":", label="upper bound")
+    ax.set_xlabel("KV capacity (tokens)")
+    ax.set_ylabel("hit rate (prompt tokens)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = parser(__doc__.splitlines()[0], "results/simulate")
+    p.add_argument("--workload", default="shared_prefix", choices=sorted(workloads.WORKLOADS))
+    p.add_argument("--caches", default="radix,hash,none")
+    p.add_argument("--capacity-fracs", default="0.05,0.1,0.2,0.4,0",
+                   help="KV budgets as fractions of all tokens of the workload; 0 = unlimited")
+    p.add_argument("--eviction-policies", default="lru")
+    p.add_argument("--schedule-policies", default="lpm")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--in-batch-sharing", type=int, default=None, help="token threshold; off when omitted")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's request count")
+    args = p.parse_args(argv)
+    sizes = _scaled_sizes(args.workload, args.scale)
+    requests = workloads.make(args.workload, seed=args.seed, **sizes)
+    caps = capacities(requests, [float(f) for f in args.capacity_fracs.split(",")])
+    rows = run_grid(requests, args.caches.split(","), caps, args.eviction_policies.split(","),
+                    args.schedule_policies.split(","), args)
+    for r in rows:
+        r["env"], r["args"] = environment(), vars(args)
+    out = args.out if args.out != "results/simulate" else f"results/simulate-{args.workload}"
+    print(table(rows, ["cache", "capacity_tokens", "eviction_policy", "schedule_policy", "hit_rate",
+                       "upper_bound", "belady_hit_rate", "pct_of_upper_bound", "pct_of_belady", "ttft_mean"],
+                {"hit_rate": ".3f", "upper_bound": ".3f", "belady_hit_rate": ".3f", "pct_of_upper_bound": ".1f",
+                 "pct_of_belady": ".1f", "ttft_mean": ".3f"}))
+    print("wrote", write_rows(out, rows), save_figure(plot(rows, args.workload), out))
+    return rows
+
+
+def _scaled_sizes(workload: str, scale: float) -> dict:
+    """Size overrides that multiply a workload's number of requests by ``scale``."""
+    if scale == 1.0:
+        return {}
+    key = {"multi_turn": "sessions", "shared_prefix": "groups", "few_shot": "subjects", "tree_of_thought": "trees",
+           "self_consistency": "questions", "no_sharing": "requests"}[workload]
+    base = {"multi_turn": 20, "shared_prefix": 64, "few_shot": 16, "tree_of_thought": 8, "self_consistency": 16,
+            "no_sharing": 256}[workload]
+    return {key: max(1, round(base * scale))}
+
+
+if __name__ == "__main__":
+    main()

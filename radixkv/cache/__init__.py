@@ -1,0 +1,19 @@
+"""Prefix caches behind one interface (:class:`PrefixCache`)."""
+
+from radixkv.cache.base import LockError, MatchResult, PrefixCache, match_for_prefill
+from radixkv.cache.eviction import POLICIES
+from radixkv.cache.hash_block import HashBlockCache
+from radixkv.cache.none import NoPrefixCache
+from radixkv.cache.radix import RadixCache, RadixNode
+
+__all__ = [
+    "HashBlockCache",
+    "LockError",
+    "MatchResult",
+    "NoPrefixCache",
+    "POLICIES",
+    "PrefixCache",
+    "RadixCache",
+    "RadixNode",
+    "match_for_prefill",
+]

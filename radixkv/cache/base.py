@@ -1,0 +1,125 @@
+"""The prefix-cache interface shared by every cache implementation.
+
+A prefix cache maps token prefixes to KV slot indices. It never owns memory:
+``insert`` takes slot indices the caller allocated, ``evict`` hands slot indices
+back, and the caller returns them to its :class:`~radixkv.memory.SlotAllocator`.
+The engine and the simulator depend only on :class:`PrefixCache`, so an
+experiment swaps caches by changing one constructor argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+# Anything that holds integer token ids: list, tuple, numpy array, torch tensor.
+TokenSeq = Sequence[int] | np.ndarray | Any
+
+
+class MatchResult(NamedTuple):
+    """What ``match_prefix`` found.
+
+    Attributes:
+        length: number of leading tokens that are cached (a multiple of the
+            cache's page or block size).
+        indices: 1-D int64 array of the KV slot indices of those tokens,
+            ``len(indices) == length``; a fresh array the caller may keep.
+        node: opaque handle for ``lock``/``unlock``; the root (an empty
+            handle) when nothing matched, never None.
+    """
+
+    length: int
+    indices: np.ndarray
+    node: Any
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """The surface shared by ``RadixCache``, ``HashBlockCache`` and ``NoPrefixCache``."""
+
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult: ...
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int: ...
+
+    def lock(self, node: Any) -> None: ...
+
+    def unlock(self, node: Any) -> None: ...
+
+    def evict(self, num_tokens: int) -> np.ndarray: ...
+
+    def cacheable_length(self, num_tokens: int) -> int: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    @property
+    def total_size(self) -> int: ...
+
+    @property
+    def evictable_size(self) -> int: ...
+
+    @property
+    def protected_size(self) -> int: ...
+
+    def check_invariants(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def to_dict(self) -> dict: ...
+
+    def pretty_print(self) -> str: ...
+
+
+class LockError(RuntimeError, ValueError):
+    """Unlocking a handle whose reference count is already zero, or locking a
+    handle whose node is no longer in the cache. It is a ``RuntimeError`` (a
+    misuse of the protocol at run time) and a ``ValueError`` (a bad argument),
+    so callers catching either see it."""
+
+
+def as_token_array(tokens: TokenSeq) -> np.ndarray:
+    """Token ids (or slot indices) as a 1-D int64 numpy array.
+
+    Never modifies the caller's object; may return it unchanged when it already
+    is a contiguous 1-D int64 numpy array (callers copy what they keep).
+    O(n), and O(n) Python work only for lists and tuples.
+    """
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor, without importing torch
+        arr = tokens.detach().cpu().numpy()
+    else:
+        arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D sequence of integer ids, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"expected integer ids, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    return np.ascontiguousarray(arr)
+
+
+def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    """Match ``tokens`` as a prompt that is about to be prefilled.
+
+    A request must compute at least one prompt token to get the logits it
+    samples from, so the last token is never taken from the cache: the match
+    covers at most ``len(tokens) - 1`` tokens, rounded down to the cache's
+    page or block. A prompt cached to an exact page multiple therefore
+    recomputes its whole last page (vLLM recomputes the whole last block).
+    This rule belongs to the caller (scheduler, simulator), not to the cache.
+    """
+    n = len(tokens)
+    return cache.match_prefix(tokens[: max(n - 1, 0)], namespace)
+
+
+def all_unique(values: np.ndarray) -> bool:
+    """Whether a 1-D array of non-negative int64 slot indices has no repeats. O(n + max) or O(n log n)."""
+    if len(values) < 2:
+        return True
+    lo, hi = int(values.min()), int(values.max())
+    if lo >= 0 and hi < 4 * len(values) + 1024:
+        return int(np.bincount(values).max()) <= 1  # linear, and the range is small enough
+    ordered = np.sort(values)
+    return not bool((ordered[1:] == ordered[:-1]).any())

@@ -1,0 +1,99 @@
+"""Queues of unreferenced cache entries, from which eviction takes its victims.
+
+``FreeQueue`` is vLLM's free block queue: entries leave from the head in the
+order they were released (least recently released first), O(1) per
+operation. ``PriorityFreeQueue`` orders entries by an eviction-policy priority
+(:mod:`radixkv.cache.eviction`) with a lazy binary heap, for the other
+policies. Both take batches "reversed": a chain's last entry is queued first,
+so on equal standing a chain's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class FreeQueue:
+    """Insertion-ordered queue (least recently released at the head). All operations O(1)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[Any, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._items
+
+    def push_reversed(self, items: Sequence[Any]) -> None:
+        """Append ``items`` at the tail, last item first."""
+        for item in reversed(items):
+            self._items[item] = None
+
+    def touch_reversed(self, items: Sequence[Any]) -> None:
+        """Move the queued ones among ``items`` to the tail, last item first (a hit then a release)."""
+        queue = self._items
+        for item in reversed(items):
+            if item in queue:
+                queue.move_to_end(item)
+
+    def remove(self, item: Any) -> None:
+        """Take ``item`` out if it is queued."""
+        self._items.pop(item, None)
+
+    def pop(self) -> Any | None:
+        """The head item, removed; None when empty."""
+        return self._items.popitem(last=False)[0] if self._items else None
+
+
+class PriorityFreeQueue:
+    """Entries ordered by ``priority(entry)`` (smallest first), ties by push order.
+
+    A lazy heap: re-prioritizing pushes a new entry and stale ones are skipped
+    when they surface; the heap is compacted when stale entries outnumber live
+    ones. Push, pop and remove cost O(log n) amortized. Entries need a writable
+    ``stamp`` attribute.
+    """
+
+    def __init__(self, priority: Callable[[Any], tuple]):
+        self._priority = priority
+        self._heap: list[tuple[tuple, int, Any]] = []
+        self._members: set[Any] = set()
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._members
+
+    def _push(self, item: Any) -> None:
+        self._seq += 1
+        item.stamp = self._seq
+        heapq.heappush(self._heap, (self._priority(item), self._seq, item))
+
+    def push_reversed(self, items: Sequence[Any]) -> None:
+        for item in reversed(items):
+            self._members.add(item)
+            self._push(item)
+        if len(self._heap) > 2 * len(self._members) + 64:
+            self._heap = [e for e in self._heap if e[2].stamp == e[1] and e[2] in self._members]
+            heapq.heapify(self._heap)
+
+    def touch_reversed(self, items: Sequence[Any]) -> None:
+        self.push_reversed([item for item in items if item in self._members])
+
+    def remove(self, item: Any) -> None:
+        self._members.discard(item)
+
+    def pop(self) -> Any | None:
+        heap = self._heap
+        while heap:
+            _, seq, item = heapq.heappop(heap)
+            if item.stamp == seq and item in self._members:
+                self._members.remove(item)
+                return item
+        return None

@@ -1,0 +1,71 @@
+"""A cache that caches nothing: the ``prefix_cache="none"`` arm of every experiment."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.base import MatchResult, TokenSeq, as_token_array
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class NoPrefixCache:
+    """Never matches and stores nothing, behind the same surface as the real caches.
+
+    ``insert`` returns 0 and keeps no slot (``cacheable_length`` is 0), so the
+    caller frees every slot of a finished request. All operations O(1) except
+    the input validation of ``insert``.
+    """
+
+    page_size = 1
+    eviction_policy = "none"
+
+    def __init__(self) -> None:
+        self.root = ()
+        self.reset()
+
+    def reset(self) -> None:
+        self._queried_tokens = 0
+
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+        self._queried_tokens += len(tokens)
+        return MatchResult(0, _EMPTY.copy(), self.root)
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+        if len(as_token_array(tokens)) != len(as_token_array(indices)):
+            raise ValueError(f"tokens and indices differ in length: {len(tokens)} != {len(indices)}")
+        return 0
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        return 0
+
+    def lock(self, node: Any) -> None:
+        return None
+
+    def unlock(self, node: Any) -> None:
+        return None
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        return _EMPTY.copy()
+
+    total_size = property(lambda self: 0)
+    evictable_size = property(lambda self: 0)
+    protected_size = property(lambda self: 0)
+
+    def stats(self) -> dict[str, float]:
+        return {"queried_tokens": self._queried_tokens, "hit_tokens": 0, "hit_rate": 0.0}
+
+    def check_invariants(self) -> None:
+        return None
+
+    def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
+        return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0, "children": []}
+
+    def pretty_print(self) -> str:
+        return "NoPrefixCache()"
+
+    def __repr__(self) -> str:
+        return "NoPrefixCache()"

@@ -1,0 +1,477 @@
+"""A token-level radix tree of KV slot indices (SGLang's RadixAttention).
+
+Each edge holds a run of token ids and the KV slot index of every one of those
+tokens. Requests that share a prefix share a path; a request that diverges in
+the middle of an edge splits it there. Running requests ``lock`` the node where
+their cached prefix ends, which protects the whole path to the root; unlocked
+leaves are evicted in policy order (LRU by default) and a parent becomes a
+leaf, and a candidate, when its last child goes.
+
+Design notes, because they decide the speed:
+
+* Token ids are kept as ``bytes`` (int64, native order), so comparing a query
+  with an edge is one ``memcmp`` however long the edge is, and the child of a
+  node is found with one dict lookup keyed by the bytes of the first page.
+* Evictable leaves sit in a lazy binary heap: a node is pushed whenever it
+  becomes an evictable leaf or its priority changes while it is one, and stale
+  entries (superseded, locked, no longer a leaf, evicted) are dropped when they
+  surface. The heap is compacted when stale entries outnumber live nodes, so
+  its size stays O(nodes) and each push or pop costs O(log n) amortized.
+* The tree never frees memory; ``evict`` returns slot indices to the caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.eviction import get_policy
+
+_ITEM = 8  # bytes per token id (int64)
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class RadixNode:
+    """One edge of the tree and the node it leads to.
+
+    ``key`` holds the edge's token ids as int64 bytes and ``value`` their slot
+    indices (``len(key) == 8 * len(value)``). ``lock_ref`` counts the locks
+    held on this node or anywhere in its subtree; ``direct_locks`` those held
+    on this very node, so ``lock_ref == direct_locks + sum of the children's
+    lock_ref`` and only a node that was locked itself can be unlocked.
+    """
+
+    __slots__ = (
+        "key", "value", "children", "parent", "lock_ref", "direct_locks",
+        "last_access", "hit_count", "created", "stamp",
+    )
+
+    def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
+        self.key = key
+        self.value = value
+        self.children: dict[bytes, RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.direct_locks = 0
+        self.last_access = now
+        self.hit_count = 0
+        self.created = now
+        self.stamp = -1  # sequence number of this node's newest heap entry
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The edge's token ids (a read-only int64 view)."""
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        toks = self.tokens
+        shown = toks[:8].tolist()
+        more = "..." if len(toks) > 8 else ""
+        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_ref})"
+
+
+class RadixCache:
+    """Token-level radix tree mapping token prefixes to KV slot indices.
+
+    Args:
+        page_size: tokens per KV page. Matches and inserts are rounded down to
+            whole pages, and edges always hold whole pages.
+        eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo``
+            (see :mod:`radixkv.cache.eviction`).
+
+    Costs (n = tokens in the query, d = depth of the matched path, N = nodes
+    in the tree): ``match_prefix`` and ``insert`` are O(n) memcmp work plus
+    O(d) Python steps, never a Python loop over tokens; ``lock``/``unlock``
+    are O(d); ``evict`` is O(k log N) for k removed leaves.
+
+    >>> cache = RadixCache()
+    >>> cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
+    0
+    >>> cache.insert([1, 2, 3, 9], [20, 21, 22, 23])   # slots 20..22 are duplicates
+    3
+    >>> m = cache.match_prefix([1, 2, 3, 4, 7])
+    >>> m.length, m.indices.tolist()
+    (4, [10, 11, 12, 13])
+    >>> cache.total_size
+    6
+    """
+
+    def __init__(self, page_size: int = 1, eviction_policy: str = "lru"):
+        if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.page_size = int(page_size)
+        self.eviction_policy = eviction_policy
+        self._priority = get_policy(eviction_policy)
+        self._page_bytes = _ITEM * self.page_size
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Drop everything: an empty tree, clock and statistics at zero. O(1)."""
+        self._clock = 0
+        self._seq = 0
+        self.root = RadixNode(b"", _EMPTY, None, 0)
+        self._roots: dict[Hashable, RadixNode] = {None: self.root}
+        self._root_ids = {id(self.root)}
+        self._heap: list[tuple[tuple, int, RadixNode]] = []
+        self._num_nodes = 0
+        self._total = 0
+        self._protected = 0
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    @property
+    def total_size(self) -> int:
+        """Tokens held in the tree."""
+        return self._total
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens in nodes no running request protects (lock count 0)."""
+        return self._total - self._protected
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in nodes with a positive lock count."""
+        return self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, roots excluded."""
+        return self._num_nodes
+
+    def stats(self) -> dict[str, float]:
+        """Token-weighted lookup statistics since construction or ``reset``."""
+        q, h = self._queried_tokens, self._hit_tokens
+        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
+
+    # ---------------------------------------------------------------- helpers
+    def _key_of(self, tokens: TokenSeq) -> tuple[np.ndarray, bytes]:
+        arr = as_token_array(tokens)
+        usable = len(arr) - len(arr) % self.page_size
+        return arr, arr[:usable].tobytes()
+
+    def _push(self, node: RadixNode) -> None:
+        """Make ``node`` (an evictable leaf, or one whose priority changed) a heap candidate."""
+        self._seq += 1
+        node.stamp = self._seq
+        heapq.heappush(self._heap, (self._priority(node), self._seq, node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        # Amortized O(1) per push: runs only after the heap doubled past the node count.
+        # In place: ``evict`` holds a reference to the list while it pushes parents.
+        self._heap[:] = [e for e in self._heap if self._entry_is_live(e)]
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def _entry_is_live(entry: tuple[tuple, int, RadixNode]) -> bool:
+        node = entry[2]
+        return (
+            node.stamp == entry[1]
+            and node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+        )
+
+    def _common_bytes(self, key: bytes, query: bytes, off: int) -> int:
+        """Bytes (whole pages) that ``key`` shares with ``query[off:]``; key's first page is known to match."""
+        rest = query[off : off + len(key)]
+        if key.startswith(rest):
+            n = len(rest)
+        else:
+            a = np.frombuffer(key, dtype=np.int64, count=len(rest) // _ITEM)
+            b = np.frombuffer(rest, dtype=np.int64)
+            n = int(np.argmax(a != b)) * _ITEM
+        return n - n % self._page_bytes
+
+    def _split(self, child: RadixNode, nbytes: int) -> RadixNode:
+        """Cut ``child``'s edge after ``nbytes``; the new upper node is returned.
+
+        ``child`` keeps its identity (and so any request's handle to it still
+        ends at the same token); the new node copies its lock count, access
+        time, hit count and creation time, so sizes and eviction order hold.
+        """
+        ntok = nbytes // _ITEM
+        parent = child.parent
+        upper = RadixNode(child.key[:nbytes], child.value[:ntok].copy(), parent, child.created)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        parent.children[child.key[: self._page_bytes]] = upper
+        child.key = child.key[nbytes:]
+        child.value = child.value[ntok:].copy()
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        self._num_nodes += 1
+        return upper
+
+    def _root_for(self, namespace: Hashable, create: bool) -> RadixNode | None:
+        if namespace is None:
+            return self.root
+        root = self._roots.get(namespace)
+        if root is None and create:
+            root = self._roots[namespace] = RadixNode(b"", _EMPTY, None, 0)
+            self._root_ids.add(id(root))
+        return root
+
+    # ----------------------------------------------------------------- public
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages).
+
+        When the match ends inside an edge, that edge is split so that the
+        returned node ends exactly at ``length``. Refreshes recency and hit
+        counts along the matched path. O(n) memcmp work + O(d) Python steps.
+        """
+        arr, query = self._key_of(tokens)
+        self._queried_tokens += len(arr)
+        self._clock += 1
+        now = self._clock
+        node = self._root_for(namespace, create=False)
+        if node is None:
+            return MatchResult(0, _EMPTY.copy(), self.root)
+        pb, end, off = self._page_bytes, len(query), 0
+        values = []
+        while off < end:
+            child = node.children.get(query[off : off + pb])
+            if child is None:
+                break
+            key = child.key
+            ends_inside = query[off : off + len(key)] != key
+            if ends_inside:
+                child = self._split(child, self._common_bytes(key, query, off))
+            off += len(child.key)
+            node = child
+            node.last_access = now
+            node.hit_count += 1
+            values.append(node.value)
+            if ends_inside:
+                break
+        if node.parent is not None and not node.children and node.lock_ref == 0:
+            self._push(node)  # its priority changed
+        length = off // _ITEM
+        self._hit_tokens += length
+        indices = np.concatenate(values) if values else _EMPTY.copy()
+        return MatchResult(length, indices, node)
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+        """Store ``tokens[:L]`` with their slot indices, L = len rounded down to whole pages.
+
+        Returns how many leading tokens were already cached. Existing values
+        are never overwritten: the caller owns ``indices[k:returned]`` (k = what
+        it had matched itself) as duplicates and must free them. The tree
+        copies what it keeps. O(n) memcmp work + O(d) Python steps.
+        """
+        arr, query = self._key_of(tokens)
+        idx = as_token_array(indices)
+        if len(idx) != len(arr):
+            raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
+        self._clock += 1
+        now = self._clock
+        node = self._root_for(namespace, create=True)
+        pb, end, off = self._page_bytes, len(query), 0
+        while off < end:
+            child = node.children.get(query[off : off + pb])
+            if child is None:
+                break
+            key = child.key
+            if query[off : off + len(key)] != key:
+                # Diverges (or ends) inside this edge: after the split the
+                # next lookup misses, so the loop ends with the new leaf.
+                child = self._split(child, self._common_bytes(key, query, off))
+            off += len(child.key)
+            node = child
+            node.last_access = now
+        if off < end:
+            start, stop = off // _ITEM, end // _ITEM
+            leaf = RadixNode(query[off:], idx[start:stop].copy(), node, now)
+            node.children[query[off : off + pb]] = leaf
+            self._num_nodes += 1
+            self._total += stop - start
+            self._push(leaf)
+        elif node.parent is not None and not node.children and node.lock_ref == 0:
+            self._push(node)  # fully cached: its recency changed
+        return off // _ITEM
+
+    def _check_attached(self, node: RadixNode, verb: str) -> None:
+        """Raise ``LockError`` unless ``node`` hangs from one of this cache's current roots. O(depth)."""
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top.key or id(top) not in self._root_ids:
+            raise LockError(f"cannot {verb} {node!r}: it is no longer in the cache (evicted, or from before reset())")
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and its path to the root from eviction. O(depth).
+
+        Locking a root does nothing; locking a node that was evicted (or
+        belongs to the tree from before ``reset``) raises ``LockError``.
+        """
+        self._check_attached(node, "lock")
+        if node.parent is not None:
+            node.direct_locks += 1
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._protected += len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Release one ``lock`` of ``node``. O(depth).
+
+        Raises ``LockError`` (changing nothing) when the node's count is
+        already zero, when it was never locked itself (only nodes below it
+        were), or when the node is no longer in the cache. Unlocking a root
+        does nothing.
+        """
+        self._check_attached(node, "unlock")
+        if node.parent is None:
+            return
+        if node.direct_locks <= 0:
+            raise LockError(
+                f"unlock of {node!r}, which holds no lock of its own (lock count {node.lock_ref}; "
+                "locks on nodes below it are released through those nodes)"
+            )
+        node.direct_locks -= 1
+        leaf = node
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.value)
+            node = node.parent
+        if leaf.lock_ref == 0 and not leaf.children:
+            self._push(leaf)
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """Remove unlocked leaves in policy order until ``num_tokens`` are freed.
+
+        Stops early without error when nothing is evictable. Returns the freed
+        slot indices (int64); the caller gives them back to its allocator.
+        O(k log N) for k removed leaves (plus stale heap entries skipped,
+        amortized against the pushes that made them).
+        """
+        heap, pb = self._heap, self._page_bytes
+        freed: list[np.ndarray] = []
+        count = 0
+        while count < num_tokens and heap:
+            entry = heapq.heappop(heap)
+            if not self._entry_is_live(entry):
+                continue
+            node = entry[2]
+            parent = node.parent
+            del parent.children[node.key[:pb]]
+            node.parent = None
+            freed.append(node.value)
+            count += len(node.value)
+            self._num_nodes -= 1
+            if not parent.children and parent.parent is not None and parent.lock_ref == 0:
+                self._push(parent)
+        self._total -= count
+        return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (whole pages)."""
+        return num_tokens - num_tokens % self.page_size
+
+    # ------------------------------------------------------------- inspection
+    def _all_nodes(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        """Verify every structural invariant; raise ``AssertionError`` naming the broken one. O(N + tokens)."""
+
+        def require(ok: bool, name: str, detail: object = "") -> None:
+            if not ok:  # the detail (often a node) is formatted only on failure: this runs per node
+                raise AssertionError(f"RadixCache invariant '{name}' broken: {detail!r}")
+
+        pb = self._page_bytes
+        live = {id(e[2]) for e in self._heap if self._entry_is_live(e)}
+        total = protected = nodes = 0
+        values = []
+        for ns, root in self._roots.items():
+            require(root.parent is None and not root.key and root.lock_ref == 0, "root",
+                    f"root of namespace {ns!r} must be empty, parentless and unlocked")
+        for node in self._all_nodes():
+            nodes += 1
+            n = len(node.value)
+            require(n > 0 and len(node.key) > 0, "no empty non-root node", node)
+            require(len(node.key) == _ITEM * n, "key and value lengths", node)
+            require(n % self.page_size == 0, "edge lengths page-aligned", (node, f"page_size={self.page_size}"))
+            require(node.parent.children.get(node.key[:pb]) is node, "child keys match their edges", node)
+            require(node.lock_ref >= 0, "lock counts >= 0", node)
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            require(node.direct_locks >= 0 and node.lock_ref == node.direct_locks + child_locks,
+                    "lock counts consistent with the children",
+                    (node, f"own locks {node.direct_locks}, children's locks sum to {child_locks}"))
+            require(node.value.dtype == np.int64, "indices are int64", node)
+            require(node.last_access <= self._clock and node.created <= self._clock, "logical clock", node)
+            if not node.children and node.lock_ref == 0:
+                require(id(node) in live, "every evictable leaf is in the eviction heap", node)
+            total += n
+            protected += n if node.lock_ref > 0 else 0
+            values.append(node.value)
+        require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
+        require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
+        require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
+        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
+        if values:
+            flat = np.concatenate(values)
+            require(all_unique(flat), "slot indices unique across the tree")
+
+    def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
+        """The tree of one namespace as nested dicts (for notebooks and tests). O(N + tokens)."""
+
+        def walk(node: RadixNode) -> dict[str, Any]:
+            return {
+                "tokens": node.tokens.tolist(),
+                "indices": node.value.tolist(),
+                "lock_count": node.lock_ref,
+                "last_access": node.last_access,
+                "hit_count": node.hit_count,
+                "children": [walk(c) for c in node.children.values()],
+            }
+
+        root = self._root_for(namespace, create=False)
+        return walk(root if root is not None else RadixNode(b"", _EMPTY, None, 0))
+
+    def pretty_print(self) -> str:
+        """An indented text drawing of every namespace's tree. O(N + tokens)."""
+        lines = [
+            f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}) "
+            f"total={self.total_size} evictable={self.evictable_size} protected={self.protected_size}"
+        ]
+
+        def walk(node: RadixNode, depth: int) -> None:
+            for child in node.children.values():
+                toks = child.tokens
+                shown = " ".join(map(str, toks[:12].tolist())) + (" ..." if len(toks) > 12 else "")
+                lines.append(
+                    f"{'  ' * depth}[{shown}] len={len(toks)} lock={child.lock_ref} "
+                    f"hits={child.hit_count} t={child.last_access}"
+                )
+                walk(child, depth + 1)
+
+        for ns, root in self._roots.items():
+            if ns is not None or len(self._roots) > 1:
+                lines.append(f"namespace {ns!r}:")
+            walk(root, 1)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "
+            f"total_size={self.total_size}, nodes={self.num_nodes})"
+        )

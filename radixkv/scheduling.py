@@ -1,0 +1,180 @@
+"""Cache-aware scheduling policies: in what order waiting requests are admitted.
+
+Shared by the simulator and the engine. A policy sees the waiting requests,
+each with the match the cache currently gives it, and returns them in the
+order they should be admitted; the caller admits from the front while memory
+and batch limits allow.
+
+* ``fcfs``: arrival order.
+* ``lpm``: longest cached prefix first (SGLang), ties by arrival.
+* ``dfs-weight``: SGLang's depth-first order: group waiting requests by the
+  tree node their match ended at, weigh every node by the waiting requests in
+  its subtree, and visit the tree depth-first, heavier children first, each
+  node's own requests after its subtree's.
+* ``random``: a seeded shuffle.
+
+``InBatchPrefixSharing`` wraps any policy: of several waiting requests that
+share an uncached prefix of at least ``threshold`` tokens, only the first is
+offered this round; the others wait for a later round, when they hit the
+cache that the first one filled (SGLang's in-batch prefix caching).
+
+A policy's ``order`` may therefore leave requests out: those wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from radixkv.cache.base import MatchResult
+from radixkv.cache.radix import RadixCache
+
+
+@dataclass
+class Candidate:
+    """A waiting request as a policy sees it.
+
+    ``tokens`` are the tokens it will match (its prompt), ``match`` the
+    cache's current answer for them, ``order`` its arrival rank (ties).
+    """
+
+    request: Any
+    tokens: np.ndarray
+    match: MatchResult
+    order: int
+    namespace: Hashable = None
+
+
+class SchedulePolicy(Protocol):
+    name: str
+    needs_match: bool
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]: ...
+
+
+class FCFS:
+    """Arrival order. O(n log n)."""
+
+    name, needs_match = "fcfs", False
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        return sorted(waiting, key=lambda c: c.order)
+
+
+class LongestPrefixMatch:
+    """Longest cached prefix first, ties by arrival. O(n log n)."""
+
+    name, needs_match = "lpm", True
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        return sorted(waiting, key=lambda c: (-c.match.length, c.order))
+
+
+class DFSWeight:
+    """SGLang's depth-first-weight order over the radix tree. O(n + visited nodes).
+
+    Needs match handles with ``parent`` links (a ``RadixCache``); for other
+    caches it falls back to longest-prefix order, which it equals on a chain.
+    """
+
+    name, needs_match = "dfs-weight", True
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        if not waiting or not all(hasattr(c.match.node, "parent") for c in waiting):
+            return LongestPrefixMatch().order(waiting)
+        at_node: dict[int, list[Candidate]] = {}
+        children: dict[int, list[Any]] = {}
+        weight: dict[int, int] = {}
+        roots: list[Any] = []
+        for c in sorted(waiting, key=lambda c: c.order):
+            node = c.match.node
+            at_node.setdefault(id(node), []).append(c)
+            while True:  # add 1 to the weight of every node up to the root, linking new ones
+                new = id(node) not in weight
+                weight[id(node)] = weight.get(id(node), 0) + 1
+                parent = node.parent
+                if parent is None:
+                    if new:
+                        roots.append(node)
+                    break
+                if new:
+                    children.setdefault(id(parent), []).append(node)
+                node = parent
+        # Post-order, heavier subtrees first: a node's own requests come after its subtree's,
+        # so the requests that share the most cached tokens run first (SGLang's order).
+        out: list[Candidate] = []
+        stack = [(n, False) for n in sorted(roots, key=lambda n: weight[id(n)])]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(at_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
+            kids = sorted(children.get(id(node), []), key=lambda n: weight[id(n)])
+            stack.extend((k, False) for k in kids)  # the heaviest is popped first
+        return out
+
+
+class RandomOrder:
+    """A seeded random permutation. O(n)."""
+
+    name, needs_match = "random", False
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        ranked = sorted(waiting, key=lambda c: c.order)
+        return [ranked[i] for i in self.rng.permutation(len(ranked))]
+
+
+class InBatchPrefixSharing:
+    """Hold back waiting requests whose uncached prefix another waiting request will compute.
+
+    Walks the inner policy's order; a request whose cached prefix is shorter
+    than ``threshold`` is looked up in a scratch radix tree of the prompts
+    offered so far in this round; if it shares at least ``threshold`` tokens
+    with one of them it is left out of this round, otherwise its prompt joins
+    the scratch tree. The first request of every group is always offered, so
+    the queue never stalls. O(total prompt tokens) memcmp work per round.
+    """
+
+    needs_match = True
+
+    def __init__(self, inner: SchedulePolicy, threshold: int = 32):
+        if threshold < 1:
+            raise ValueError(f"in-batch prefix sharing threshold must be >= 1, got {threshold}")
+        self.inner = inner
+        self.threshold = threshold
+        self.name = f"{inner.name}+in-batch-sharing"
+
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        scratch = RadixCache()
+        offered, slot = [], 0
+        for c in self.inner.order(waiting):
+            if c.match.length >= self.threshold:
+                offered.append(c)
+                continue
+            if scratch.match_prefix(c.tokens, c.namespace).length < self.threshold:
+                offered.append(c)
+                scratch.insert(c.tokens, np.arange(slot, slot + len(c.tokens)), c.namespace)
+                slot += len(c.tokens)
+        return offered
+
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "random")
+
+
+def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None) -> SchedulePolicy:
+    """A policy by name; ``in_batch_sharing`` (a token threshold) wraps it in ``InBatchPrefixSharing``.
+
+    Unknown names raise ``ValueError``.
+    """
+    makers = {"fcfs": FCFS, "lpm": LongestPrefixMatch, "dfs-weight": DFSWeight, "random": lambda: RandomOrder(seed)}
+    if name not in makers:
+        raise ValueError(f"unknown schedule policy {name!r}; choose one of {list(POLICIES)}")
+    policy = makers[name]()
+    return InBatchPrefixSharing(policy, in_batch_sharing) if in_batch_sharing else policy

@@ -1,0 +1,420 @@
+"""Trace-driven simulation of prefix caching: the real caches and policies, a modelled clock.
+
+``simulate`` replays a workload on a virtual clock through the very objects the
+engine uses (``RadixCache`` / ``HashBlockCache`` / ``NoPrefixCache``, a
+``SlotAllocator`` of the given KV budget, the policies of
+``radixkv.scheduling``); only the model's forward is replaced by a
+``CostModel``. One engine step admits waiting requests (policy order, under
+the KV budget and ``max_running``), prefills them whole, and runs one decode
+step for the others; consecutive steps with nothing to admit are taken in one
+stride. A request reserves its KV (uncached prompt + output - 1 tokens, the
+last generated token's KV is never computed) when admitted; on finishing it
+inserts prompt + output[:-1] into the cache and unlocks its prefix.
+
+``upper_bound`` gives the best hit rate any capacity and order could reach;
+``eviction_policy="belady"`` gives the clairvoyant eviction reference at a
+given capacity: it evicts the leaf whose next use, in arrival order, lies
+farthest ahead. It knows the arrivals, not the order a reordering policy
+will serve them in, nor which requests will share a batch; so with one
+request at a time it bounds LRU from above (measured in docs/experiments.md),
+while with ``lpm`` and large batches an online policy can come out ahead of it
+by a few percent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.base import PrefixCache, match_for_prefill
+from radixkv.cache.belady import BeladyRadixCache, FutureUses
+from radixkv.cache.hash_block import HashBlockCache
+from radixkv.cache.none import NoPrefixCache
+from radixkv.cache.radix import RadixCache
+from radixkv.memory import SlotAllocator
+from radixkv.scheduling import Candidate, make_policy
+from radixkv.workloads.request import Request
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per engine step, from a few named constants.
+
+    Defaults are a 135M-parameter Llama (SmolLM2) in bfloat16 on 2 CPU cores
+    (the engine's calibration replaces them with measured values):
+
+    Attributes:
+        prefill_per_token: seconds per computed prompt token (the linear layers).
+        attention_per_pair: seconds per (new token, attended token) pair, the
+            quadratic attention term of prefill: a chunk of n new tokens after
+            a prefix of p costs ``n * (p + (n + 1) / 2)`` pairs.
+        decode_step: fixed seconds per decode step (weights streamed once).
+        decode_per_seq: extra seconds per sequence in the decode batch.
+        step_overhead: fixed seconds per engine step (scheduling, launch).
+    """
+
+    prefill_per_token: float = 3.5e-4
+    attention_per_pair: float = 2.0e-8
+    decode_step: float = 0.013
+    decode_per_seq: float = 0.002
+    step_overhead: float = 0.0005
+
+    def prefill_time(self, new_tokens: int, prefix_len: int) -> float:
+        pairs = new_tokens * (prefix_len + (new_tokens + 1) / 2)
+        return self.prefill_per_token * new_tokens + self.attention_per_pair * pairs
+
+    def decode_time(self, batch: int) -> float:
+        return self.decode_step + self.decode_per_seq * batch if batch else 0.0
+
+
+@dataclass
+class SimResult:
+    """Totals (token counts are real tokens) and one row per request."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    evicted_tokens: int = 0
+    rejected: int = 0
+    makespan: float = 0.0
+    config: dict = field(default_factory=dict)
+    per_request: list[dict] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over prompt tokens of the served requests."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def ttfts(self) -> np.ndarray:
+        return np.array([r["ttft"] for r in self.per_request if not r["rejected"]])
+
+    def summary(self) -> dict[str, Any]:
+        """The totals and TTFT statistics as a flat dict (what experiments store)."""
+        t = self.ttfts()
+        stats = {f"ttft_{k}": float(f(t)) if len(t) else 0.0
+                 for k, f in {"mean": np.mean, "p50": np.median, "p99": lambda x: np.percentile(x, 99)}.items()}
+        return {
+            "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
+            "computed_tokens": self.computed_tokens, "evicted_tokens": self.evicted_tokens,
+            "rejected": self.rejected, "makespan": self.makespan, **stats,
+        }
+
+
+@dataclass
+class _Running:
+    req: Request
+    ready: float  # when it was sent (arrival, or parent finish + think time)
+    node: Any
+    hit: int
+    slots: np.ndarray  # the cached prefix's slots followed by the newly allocated ones
+    admitted: float
+    first_token: float = -1.0
+    generated: int = 0
+    cached: int = 0  # leading slots that are the cache's own (after the prompt was inserted)
+
+
+def _output_tokens(req: Request, fresh: list[int]) -> np.ndarray:
+    if req.output is not None:
+        return req.output
+    # Fresh negative ids: what no prompt will ever contain.
+    start = fresh[0]
+    fresh[0] -= req.output_len
+    return np.arange(start, start - req.output_len, -1, dtype=np.int64)
+
+
+def _make_cache(cache: str | PrefixCache, page_size: int, block_size: int, eviction_policy: str,
+                requests: Sequence[Request]) -> PrefixCache:
+    if not isinstance(cache, str):
+        return cache
+    if eviction_policy == "belady":
+        if cache != "radix":
+            raise ValueError("eviction_policy='belady' is implemented for cache='radix' only")
+        future = FutureUses([(_cacheable_prompt(r.prompt), r.namespace) for r in requests], page_size)
+        return BeladyRadixCache(future, page_size=page_size)
+    if cache == "radix":
+        return RadixCache(page_size=page_size, eviction_policy=eviction_policy)
+    if cache == "hash":
+        return HashBlockCache(block_size=block_size, eviction_policy=eviction_policy)
+    if cache == "none":
+        return NoPrefixCache()
+    raise ValueError(f"unknown cache {cache!r}; choose 'radix', 'hash' or 'none'")
+
+
+def _cacheable_prompt(prompt: np.ndarray) -> np.ndarray:
+    return prompt[: max(len(prompt) - 1, 0)]  # the at-least-one-token rule
+
+
+class _Simulation:
+    """State of one run; ``simulate`` is its only user."""
+
+    def __init__(self, requests, cache, allocator, policy, max_running, cost):
+        self.requests, self.cache, self.alloc = requests, cache, allocator
+        self.policy, self.max_running, self.cost = policy, max_running, cost
+        self.result = SimResult()
+        self.now = 0.0
+        self.pending = sorted((r.arrival, r.rid) for r in requests if r.parent is None)  # (ready time, rid)
+        self.children: dict[int, list[Request]] = {}
+        for r in requests:
+            if r.parent is not None:
+                self.children.setdefault(r.parent, []).append(r)
+        self.ready_at = {r.rid: r.arrival for r in requests}
+        self.waiting: dict[int, Request] = {}  # rid -> request, in arrival order
+        self.running: list[_Running] = []
+        self.fresh = [-1]
+        self.future = cache.future if isinstance(cache, BeladyRadixCache) else None
+
+    # -- arrivals ------------------------------------------------------------
+    def _release(self, rid: int, t: float) -> None:
+        for child in self.children.get(rid, ()):
+            ready = max(child.arrival, t + child.think_time)
+            self.ready_at[child.rid] = ready
+            self._push_pending(ready, child.rid)
+
+    def _push_pending(self, t: float, rid: int) -> None:
+        bisect.insort(self.pending, (t, rid))
+
+    def _arrive(self) -> None:
+        while self.pending and self.pending[0][0] <= self.now:
+            _, rid = self.pending.pop(0)
+            req = self.requests[rid]
+            if len(req.prompt) + req.output_len - 1 > self.alloc.capacity:
+                self._reject(req)
+            else:
+                self.waiting[req.rid] = req
+
+    def _reject(self, req: Request) -> None:
+        self.result.rejected += 1
+        self.result.per_request.append({"rid": req.rid, "session": req.session, "rejected": True,
+                                        "prompt_len": len(req.prompt), "hit": 0, "ttft": math.nan})
+        if self.future is not None:
+            self.future.served(req.rid)
+        self._release(req.rid, self.now)
+
+    # -- admission -----------------------------------------------------------
+    def _admit(self) -> list[_Running]:
+        if not self.waiting or len(self.running) >= self.max_running:
+            return []
+        waiting = self.waiting.values()
+        if self.policy.needs_match:
+            order = [c.request for c in self.policy.order([
+                Candidate(r, r.prompt, match_for_prefill(self.cache, r.prompt, r.namespace), r.rid, r.namespace)
+                for r in waiting])]
+        elif self.policy.name == "fcfs":
+            order = waiting  # already in arrival order: no need to rank a long queue every step
+        else:
+            order = [c.request for c in self.policy.order([
+                Candidate(r, r.prompt, None, r.rid, r.namespace) for r in waiting])]
+        admitted = []
+        for req in order:
+            if len(self.running) + len(admitted) >= self.max_running:
+                break
+            state = self._try_admit(req)
+            if state is None:
+                break  # out of KV memory until a running request finishes
+            admitted.append(state)
+        for state in admitted:
+            del self.waiting[state.req.rid]
+        return admitted
+
+    def _try_admit(self, req: Request) -> _Running | None:
+        m = match_for_prefill(self.cache, req.prompt, req.namespace)  # again: earlier admissions may have evicted
+        self.cache.lock(m.node)
+        need = len(req.prompt) - m.length + req.output_len - 1
+        if self.alloc.num_free < need:
+            freed = self.cache.evict(need - self.alloc.num_free)
+            self.alloc.free(freed)
+            self.result.evicted_tokens += len(freed)
+        if self.alloc.num_free < need:
+            self.cache.unlock(m.node)
+            return None
+        if self.future is not None:
+            self.future.served(req.rid)
+        slots = np.concatenate([m.indices, self.alloc.alloc(need)])
+        return _Running(req, self.ready_at[req.rid], m.node, m.length, slots, self.now, cached=m.length)
+
+    # -- steps ---------------------------------------------------------------
+    def _cache_prompt(self, run: _Running) -> None:
+        """After prefill: the prompt's KV joins the cache, as SGLang and vLLM do before decoding.
+
+        Duplicates (computed by a request admitted in the same step) are
+        freed and the request's slots become the cache's canonical ones; its
+        lock moves to the node that now ends its prompt.
+        """
+        req, cache = run.req, self.cache
+        n = len(req.prompt)
+        already = cache.insert(req.prompt, run.slots[:n], req.namespace)
+        self.alloc.free(run.slots[run.hit : already])
+        m = cache.match_prefix(req.prompt, req.namespace)
+        cache.lock(m.node)
+        cache.unlock(run.node)
+        run.node = m.node
+        run.slots = np.concatenate([m.indices, run.slots[m.length :]])
+        run.cached = m.length
+
+    def _finish(self, run: _Running) -> None:
+        req, cache = run.req, self.cache
+        out = _output_tokens(req, self.fresh)
+        seq = np.concatenate([req.prompt, out[:-1]])
+        already = cache.insert(seq, run.slots, req.namespace)
+        self.alloc.free(run.slots[run.cached : already])  # duplicates of what the cache already held
+        self.alloc.free(run.slots[max(cache.cacheable_length(len(seq)), run.cached) :])  # what it did not take
+        cache.unlock(run.node)
+        n = len(req.prompt)
+        self.result.per_request.append({
+            "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,
+            "computed": n - run.hit, "output_len": req.output_len, "ready": run.ready, "admitted": run.admitted,
+            "first_token": run.first_token, "finish": self.now, "ttft": run.first_token - run.ready,
+            "latency": self.now - run.ready, **req.meta,
+        })
+        self.result.prompt_tokens += n
+        self.result.hit_tokens += run.hit
+        self.result.computed_tokens += n - run.hit
+        self._release(req.rid, self.now)
+
+    def step(self) -> None:
+        admitted = self._admit()
+        decoding = self.running
+        if admitted:
+            dt = self.cost.step_overhead + self.cost.decode_time(len(decoding))
+            dt += sum(self.cost.prefill_time(len(s.req.prompt) - s.hit, s.hit) for s in admitted)
+            strides = 1
+        else:
+            dt = self.cost.step_overhead + self.cost.decode_time(len(decoding))
+            strides = min(s.req.output_len - s.generated for s in decoding)
+            if self.pending:  # stop striding when the next request arrives
+                strides = max(1, min(strides, math.ceil((self.pending[0][0] - self.now) / dt)))
+        self.now += dt * strides
+        for s in decoding:
+            s.generated += strides
+        for s in admitted:
+            s.first_token, s.generated = self.now, 1
+            self._cache_prompt(s)
+        self.running = decoding + admitted
+        done = [s for s in self.running if s.generated >= s.req.output_len]
+        self.running = [s for s in self.running if s.generated < s.req.output_len]
+        for s in done:
+            self._finish(s)
+
+    def run(self) -> SimResult:
+        while self.pending or self.waiting or self.running:
+            if not self.waiting and not self.running:
+                self.now = max(self.now, self.pending[0][0])
+            self._arrive()
+            if self.waiting or self.running:
+                self.step()
+        self.result.makespan = self.now
+        self.result.per_request.sort(key=lambda row: row["rid"])
+        return self.result
+
+
+def simulate(
+    requests: Sequence[Request],
+    cache: str | PrefixCache = "radix",
+    capacity_tokens: int | None = None,
+    page_size: int = 1,
+    block_size: int = 16,
+    eviction_policy: str = "lru",
+    schedule_policy: str = "fcfs",
+    max_running: int = 64,
+    cost_model: CostModel | None = None,
+    seed: int = 0,
+    in_batch_sharing: int | None = None,
+) -> SimResult:
+    """Replay ``requests`` through one cache under one KV budget; see the module doc.
+
+    Args:
+        cache: ``radix``, ``hash``, ``none`` or a ready ``PrefixCache`` object.
+        capacity_tokens: the KV budget in tokens; None means unlimited.
+        page_size / block_size: granularity of the radix tree / hash blocks
+            (the allocator uses the cache's granularity).
+        eviction_policy: as the caches take it, or ``belady`` (radix only).
+        schedule_policy: ``fcfs``, ``lpm``, ``dfs-weight`` or ``random`` (seeded by ``seed``).
+        in_batch_sharing: a token threshold enabling in-batch prefix sharing.
+    """
+    requests = list(requests)
+    if any(r.rid != i for i, r in enumerate(requests)):
+        raise ValueError("requests must be numbered 0..n-1 in arrival order (as workloads produce them)")
+    if max_running < 1:
+        raise ValueError(f"max_running must be >= 1, got {max_running}")
+    policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing)
+    prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
+    granularity = getattr(prefix_cache, "page_size", 1)
+    slots = capacity_tokens
+    if slots is None:  # room for every token of every request: nothing is ever evicted
+        slots = sum(len(r.prompt) + r.output_len for r in requests) + granularity * (len(requests) + 1)
+    allocator = SlotAllocator(slots, page_size=granularity)
+    sim = _Simulation(requests, prefix_cache, allocator, policy, max_running, cost_model or CostModel())
+    result = sim.run()
+    prefix_cache.check_invariants()
+    allocator.check_invariants()
+    held = allocator.num_free + prefix_cache.evictable_size + prefix_cache.protected_size
+    if held != allocator.capacity or prefix_cache.protected_size:
+        raise AssertionError(f"slots leaked: free + evictable + protected = {held} != capacity {allocator.capacity}")
+    result.config = {
+        "cache": cache if isinstance(cache, str) else type(cache).__name__, "capacity_tokens": capacity_tokens,
+        "kv_slots": allocator.capacity,
+        "page_size": page_size, "block_size": block_size, "eviction_policy": eviction_policy,
+        "schedule_policy": schedule_policy, "max_running": max_running, "seed": seed,
+        "in_batch_sharing": in_batch_sharing, "cost_model": asdict(cost_model or CostModel()),
+        "requests": len(requests),
+    }
+    return result
+
+
+def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
+    """The best hit rate of this workload: unlimited capacity and a perfect order.
+
+    Every distinct prefix is computed once: a page of a prompt is a hit for
+    every request that reaches it within its cacheable prefix (all but the
+    last token, whole pages), except the one request that must compute it.
+    A page costs nothing to anyone if some request generated it (a previous
+    turn's answer) or some request computes it anyway beyond its cacheable
+    prefix. Computed exactly from the workload; O(total tokens) memcmp work.
+    """
+    tree = RadixCache(page_size=page_size)
+    slot = 0
+    for r in requests:  # every sequence whose KV gets computed: prompt + output[:-1]
+        seq = r.prompt if r.output is None else np.concatenate([r.prompt, r.output[:-1]])
+        tree.insert(seq, np.arange(slot, slot + len(seq)), r.namespace)
+        slot += len(seq)
+    reach_cap: dict[int, int] = {}  # node -> requests reaching it within their cacheable prefix
+    reach_all: dict[int, int] = {}  # node -> requests whose whole-page prompt reaches it
+    generated: set[int] = set()
+    nodes: dict[int, Any] = {}
+
+    def climb(node, counts: dict[int, int] | set, stop=None) -> None:
+        while node.parent is not None and node is not stop:
+            nodes[id(node)] = node
+            if isinstance(counts, set):
+                counts.add(id(node))
+            else:
+                counts[id(node)] = counts.get(id(node), 0) + 1
+            node = node.parent
+
+    def ends(r: Request):
+        cap = match_for_prefill(tree, r.prompt, r.namespace).node
+        end_prompt = tree.match_prefix(r.prompt, r.namespace).node
+        end_seq = None
+        if r.output is not None and r.output_len > 1:
+            end_seq = tree.match_prefix(np.concatenate([r.prompt, r.output[:-1]]), r.namespace).node
+        return cap, end_prompt, end_seq
+
+    for r in requests:  # first pass: the matches split the tree at every end point
+        ends(r)
+    for r in requests:  # second pass: no more splits, so nodes keep their length while counted
+        cap, end_prompt, end_seq = ends(r)
+        climb(cap, reach_cap)
+        climb(end_prompt, reach_all)
+        if end_seq is not None:
+            climb(end_seq, generated, stop=end_prompt)
+    hits = 0
+    for key, a in reach_cap.items():
+        computed_anyway = reach_all.get(key, 0) > a or key in generated
+        hits += len(nodes[key]) * (a if computed_anyway else a - 1)
+    total = sum(len(r.prompt) for r in requests)
+    return hits / total if total else 0.0

@@ -1,0 +1,99 @@
+"""The request record every workload produces and the simulator and engine consume."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a workload.
+
+    Attributes:
+        arrival: seconds from the start of the workload when it is sent (for a
+            request with a ``parent``, the earliest time: it is sent
+            ``think_time`` after its parent finishes, if that is later).
+        session: conversation / group id (for reporting and session affinity).
+        prompt: int64 token ids, ``[prompt_len]``.
+        output_len: tokens to generate.
+        output: the ``[output_len]`` token ids a simulator treats as generated, so
+            that a later turn whose prompt contains them is consistent; None
+            where no later prompt depends on them.
+        parent: ``rid`` of the request whose prompt + output this one extends
+            (the previous turn of a chat, the parent thought of a tree).
+        think_time: seconds between the parent finishing and this one being sent.
+        namespace: cache namespace (adapter id, cache salt).
+        rid: index of the request in its workload list.
+    """
+
+    arrival: float
+    session: Hashable
+    prompt: np.ndarray
+    output_len: int
+    output: np.ndarray | None = None
+    parent: int | None = None
+    think_time: float = 0.0
+    namespace: Hashable = None
+    rid: int = -1
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt = np.asarray(self.prompt, dtype=np.int64).reshape(-1)
+        if self.output is not None:
+            self.output = np.asarray(self.output, dtype=np.int64).reshape(-1)
+            if len(self.output) != self.output_len:
+                raise ValueError(f"output has {len(self.output)} tokens but output_len is {self.output_len}")
+        if len(self.prompt) == 0:
+            raise ValueError("a request needs at least one prompt token")
+        if self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(rid={self.rid}, arrival={self.arrival:.3f}, session={self.session!r}, "
+            f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent})"
+        )
+
+
+class TokenSource:
+    """Seeded source of fresh token spans.
+
+    Without ``vocab_size`` ids are drawn from [0, 2**62), so two spans share a
+    first token with probability about 2**-62: independent spans never share a
+    prefix by accident. With ``vocab_size`` (to feed a real model) ids lie in
+    [0, vocab_size) and accidental one-token overlaps happen, as in real text.
+    """
+
+    def __init__(self, seed: int, vocab_size: int | None = None):
+        self.rng = np.random.default_rng(seed)
+        self.high = vocab_size if vocab_size is not None else 2**62
+
+    def span(self, n: int) -> np.ndarray:
+        """``n`` fresh token ids (int64)."""
+        return self.rng.integers(0, self.high, size=int(n), dtype=np.int64)
+
+    def length(self, bounds: int | tuple[int, int]) -> int:
+        """A length drawn uniformly from ``[lo, hi]`` (inclusive), or the fixed int given."""
+        if isinstance(bounds, (int, np.integer)):
+            return int(bounds)
+        lo, hi = bounds
+        return int(self.rng.integers(lo, hi + 1))
+
+
+def number(requests: list[Request]) -> list[Request]:
+    """Sort by arrival (stable) and set each request's ``rid`` to its index; parents are remapped."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    new_id = {old: new for new, old in enumerate(order)}
+    out = [requests[i] for i in order]
+    for new, req in enumerate(out):
+        req.rid = new
+        if req.parent is not None:
+            req.parent = new_id[req.parent]
+    return out

@@ -1,0 +1,237 @@
+"""Conformance scenarios for HashBlockCache (vLLM v1 semantics) at block size 4."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from serving import serve
+
+from radixkv import HashBlockCache, LockError, NoPrefixCache, PrefixCache, RadixCache, SlotAllocator, match_for_prefill
+
+BS = 4
+
+
+@pytest.fixture
+def cache():
+    return HashBlockCache(block_size=BS)
+
+
+@pytest.fixture
+def alloc():
+    return SlotAllocator(10 * BS, page_size=BS)  # a 10-block budget
+
+
+def test_cold_prompt_caches_only_full_blocks(cache, alloc):
+    assert serve(cache, alloc, range(10)) == 0
+    assert cache.total_size == 8 and cache.num_blocks == 2
+
+
+def test_second_prompt_sharing_ten_tokens_hits_eight(cache, alloc):
+    serve(cache, alloc, range(10))
+    assert serve(cache, alloc, list(range(10)) + [50, 51, 52]) == 8
+
+
+def test_sharing_less_than_a_block_hits_nothing(cache, alloc):
+    serve(cache, alloc, range(10))
+    assert serve(cache, alloc, [0, 1, 2, 60, 61, 62, 63, 64]) == 0
+
+
+def test_exact_two_block_prompt_recomputes_last_block(cache, alloc):
+    prompt = list(range(8))
+    serve(cache, alloc, prompt)
+    assert serve(cache, alloc, prompt) == 4  # at least one token computed: the whole last block
+    assert serve(cache, alloc, prompt + [99]) == 8
+    assert cache.match_prefix(prompt).length == 8  # the raw cache matches everything
+
+
+def test_chained_keys_same_block_after_different_first_block_misses(cache, alloc):
+    serve(cache, alloc, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert serve(cache, alloc, [9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).length == 8
+
+
+def test_eviction_takes_released_chain_tail_first(cache, alloc):
+    serve(cache, alloc, range(13))  # blocks A0 A1 A2 released tail first
+    a = cache.match_prefix(list(range(12)))
+    tail = a.indices[8:12]
+    freed = cache.evict(1)
+    assert freed.tolist() == tail.tolist()
+    assert cache.match_prefix(list(range(12))).length == 8
+
+
+def test_hit_block_never_evicted_by_the_allocation_it_triggers(cache, alloc):
+    serve(cache, alloc, range(9))  # 2 blocks cached
+    serve(cache, alloc, range(100, 132))  # 8 blocks: the budget is full, the first chain is oldest
+    assert alloc.num_free == 0
+    # A request hitting the first chain needs new blocks: eviction must spare its hits.
+    assert serve(cache, alloc, list(range(8)) + list(range(200, 209))) == 8
+
+
+def test_namespaces_isolate(cache, alloc):
+    serve(cache, alloc, range(9), namespace="lora-a")
+    assert serve(cache, alloc, range(9), namespace="lora-b") == 0
+    assert serve(cache, alloc, range(9)) == 0
+    assert serve(cache, alloc, range(9), namespace="lora-a") == 8
+
+
+def test_multi_turn_hits_previous_answer(cache, alloc):
+    prompt, answer = list(range(6)), list(range(100, 106))
+    serve(cache, alloc, prompt, answer)  # caches prompt + answer[:-1] = 11 tokens -> 2 blocks
+    second = prompt + answer + [200, 201]
+    assert serve(cache, alloc, second) == 8
+
+
+def test_fourteen_tokens_ten_shared_hash_hits_eight_tree_hits_ten():
+    first = list(range(14))
+    second = list(range(10)) + [90, 91, 92, 93]
+    hits = {}
+    for name, cache in {"hash": HashBlockCache(block_size=4), "radix": RadixCache(page_size=1)}.items():
+        alloc = SlotAllocator(64, page_size=cache.page_size)
+        serve(cache, alloc, first)
+        hits[name] = serve(cache, alloc, second)
+    assert hits == {"hash": 8, "radix": 10}
+
+
+def test_generated_tokens_cacheable_once_their_block_fills(cache, alloc):
+    serve(cache, alloc, range(6), output=[100, 101])  # 6 + 1 = 7 tokens: 1 block
+    assert cache.total_size == 4
+    serve(cache, alloc, range(6), output=[100, 101, 102])  # 6 + 2 = 8 tokens: 2 blocks
+    assert cache.total_size == 8
+
+
+def test_lock_unlock_reference_counts(cache):
+    cache.insert(range(8), range(8))
+    m = cache.match_prefix(range(8))
+    cache.lock(m.node)
+    cache.lock(m.node)
+    assert cache.protected_size == 8 and cache.evict(100).size == 0
+    cache.unlock(m.node)
+    cache.unlock(m.node)
+    with pytest.raises(LockError):
+        cache.unlock(m.node)
+    assert cache.protected_size == 0 and cache.evictable_size == 8
+    cache.check_invariants()
+    cache.lock(cache.root)
+    cache.unlock(cache.root)  # the empty handle changes nothing
+
+
+def test_lock_of_evicted_handle_raises(cache):
+    cache.insert(range(8), range(8))
+    m = cache.match_prefix(range(8))
+    cache.evict(8)
+    with pytest.raises(LockError):
+        cache.lock(m.node)
+
+
+def test_stranded_suffix_is_replaced_and_its_slots_returned_by_evict():
+    cache = HashBlockCache(block_size=2, eviction_policy="mru")
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.match_prefix([1, 2])  # block [1,2] is now the most recently used: mru evicts it first
+    assert cache.evict(1).tolist() == [10, 11]
+    assert cache.match_prefix([1, 2, 3, 4]).length == 0  # [3,4] is stranded behind the missing block
+    assert cache.insert([1, 2, 3, 4], [20, 21, 22, 23]) == 0  # the caller's copy replaces it
+    cache.check_invariants()
+    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == [20, 21, 22, 23]
+    assert cache.total_size == 6 and cache.evict(1).tolist() == [12, 13]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "builtin"])
+def test_hash_algos_agree_on_hits(algo):
+    cache = HashBlockCache(block_size=4, hash_algo=algo)
+    cache.insert(range(12), range(12))
+    assert cache.match_prefix(list(range(10)) + [7, 7]).length == 8
+    cache.check_invariants()
+
+
+def test_xxhash_works_or_fails_clearly():
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="xxhash"):
+            HashBlockCache(hash_algo="xxhash")
+        return
+    cache = HashBlockCache(block_size=4, hash_algo="xxhash")
+    cache.insert(range(8), range(8))
+    assert cache.match_prefix(range(8)).length == 8
+
+
+def test_xxhash_missing_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_xxhash(name, *args, **kwargs):
+        if name == "xxhash":
+            raise ImportError("no xxhash")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xxhash)
+    with pytest.raises(ValueError, match="pip install xxhash"):
+        HashBlockCache(hash_algo="xxhash")
+
+
+def test_sha256_keys_are_deterministic_across_instances():
+    a, b = HashBlockCache(block_size=4), HashBlockCache(block_size=4)
+    assert a.block_keys(range(8)) == b.block_keys(np.arange(8))
+    assert a.block_keys(range(8)) != a.block_keys(range(8), namespace="salt")
+
+
+@pytest.mark.parametrize("kwargs", [{"block_size": 0}, {"hash_algo": "md5"}, {"eviction_policy": "random"}])
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        HashBlockCache(**kwargs)
+
+
+def test_insert_length_mismatch_raises(cache):
+    with pytest.raises(ValueError):
+        cache.insert(range(8), range(7))
+
+
+def test_stats_are_token_weighted(cache):
+    cache.insert(range(8), range(8))
+    cache.match_prefix(range(10))
+    cache.match_prefix([5] * 6)
+    assert cache.stats() == {"queried_tokens": 16, "hit_tokens": 8, "hit_rate": 0.5}
+
+
+def test_to_dict_and_pretty_print(cache):
+    cache.insert(range(8), range(100, 108))
+    cache.insert(list(range(4)) + [9, 9, 9, 9], range(200, 208))
+    tree = cache.to_dict()
+    assert [c["tokens"] for c in tree["children"]] == [[0, 1, 2, 3]]
+    assert sorted(c["tokens"] for c in tree["children"][0]["children"]) == [[4, 5, 6, 7], [9, 9, 9, 9]]
+    assert "HashBlockCache" in cache.pretty_print()
+
+
+def test_no_prefix_cache_never_matches_and_stores_nothing():
+    cache, alloc = NoPrefixCache(), SlotAllocator(64)
+    assert isinstance(cache, PrefixCache)
+    for _ in range(3):
+        assert serve(cache, alloc, range(20), output=[1, 2, 3]) == 0
+    assert cache.total_size == 0 and alloc.num_free == 64
+    assert cache.evict(10).size == 0
+
+
+@pytest.mark.parametrize("make", [lambda: RadixCache(page_size=4), lambda: HashBlockCache(block_size=4), NoPrefixCache])
+def test_at_least_one_token_rule(make):
+    cache = make()
+    prompt = list(range(8))
+    cache.insert(prompt, range(8))
+    m = match_for_prefill(cache, prompt)
+    assert m.length < len(prompt)
+    assert m.length == (4 if not isinstance(cache, NoPrefixCache) else 0)
+    assert match_for_prefill(cache, prompt + [1]).length == (8 if not isinstance(cache, NoPrefixCache) else 0)
+    assert match_for_prefill(cache, []).length == 0
+
+
+def test_handles_from_before_reset_cannot_be_locked_or_unlocked(cache):
+    cache.insert(range(8), range(8))
+    m = cache.match_prefix(range(8))
+    cache.lock(m.node)
+    cache.reset()
+    with pytest.raises(LockError):
+        cache.lock(m.node)
+    with pytest.raises(LockError):
+        cache.unlock(m.node)
+    assert (cache.total_size, cache.protected_size) == (0, 0)
+    cache.check_invariants()
