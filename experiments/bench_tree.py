@@ -38,14 +38,18 @@ import numpy as np
 from tqdm import tqdm
 
 import radixkv
-from radixkv import PrefixCache, RadixCache, SlotAllocator
+from radixkv import HashBlockCache, PrefixCache, RadixCache, SlotAllocator
 
 CacheFactory = Callable[[int], PrefixCache]
 
-# Cache name -> factory taking the page size. Add other caches here.
+# Cache name -> factory taking the page size (the block size for hash caches). Add other caches here.
 CACHES: dict[str, CacheFactory] = {
     "radix": lambda page: RadixCache(page_size=page),
+    "hash": lambda page: HashBlockCache(block_size=page, hash_algo="sha256"),
+    "hash-xxhash": lambda page: HashBlockCache(block_size=page, hash_algo="xxhash"),
 }
+# Hash caches run at block sizes > 1 only (a block of one token is a hash per token) and on the base trace.
+BLOCK_CACHES = {"hash", "hash-xxhash"}
 
 VOCAB = 32000
 # Chat starts are uniform over [0, START_SPAN_S) seconds whatever the number of chats, so a scaled
@@ -206,6 +210,8 @@ def run_once(trace: Trace, factory: CacheFactory, page_size: int, capacity: int,
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     check_consistency(cache, alloc)
     out: dict[str, Any] = {f"{op}_us": ns / calls / 1e3 if calls else None for op, (ns, calls) in acc.items()}
+    # every cache call of a request together (match, lock, evict, insert, unlock), per request
+    out["request_us"] = sum(ns for ns, _ in acc.values()) / max(len(trace.requests), 1) / 1e3
     out.update({f"{op}_calls": calls for op, (_, calls) in acc.items()})
     out.update(
         hit_rate=counts["matched"] / max(counts["prompt"], 1),
@@ -253,8 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run a trace with this many times the chats (default 10; 0 or 1: off)")
     p.add_argument("--scale-page-sizes", default="1,16",
                    help="page sizes for the scaled trace (default 1,16; only those also in --page-sizes)")
-    p.add_argument("--caches", default="radix",
-                   help=f"comma-separated caches from {sorted(CACHES)} (default radix)")
+    p.add_argument("--caches", default="radix,hash,hash-xxhash",
+                   help=f"comma-separated caches from {sorted(CACHES)} (default radix,hash,hash-xxhash)")
     p.add_argument("--quick", action="store_true", help="smoke test: 20 chats, 1 repeat, no scaled run")
     args = p.parse_args(argv)
     if args.quick:
@@ -274,8 +280,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         pages = [int(x) for x in (args.page_sizes + "," + args.scale_page_sizes).split(",")]
     except ValueError:
         p.error("page sizes must be comma-separated integers")
-    positive = (args.repeats, args.scale_repeats, args.conversations, args.turns, args.group, args.system_tokens,
-                args.user_tokens, args.gen_tokens, *pages)
+    positive = (args.repeats, args.scale_repeats, args.conversations, args.turns, args.group,
+                args.system_tokens, args.user_tokens, args.gen_tokens, *pages)
     if min(positive) < 1 or args.capacity_frac <= 0 or args.scale < 0:
         p.error("counts, sizes and page sizes must be >= 1, --capacity-frac > 0 and --scale >= 0")
 
@@ -290,7 +296,11 @@ def build_jobs(args: argparse.Namespace, traces: dict[int, Trace]) -> list[Job]:
             st = trace.stats
             capacity = int(round(args.capacity_frac * st["unique_tokens"]))
             variants = [(p, False) for p in (pages if scale == 1 else scale_pages)]
-            if scale == 1 and 1 in pages:
+            if cache in BLOCK_CACHES:
+                if scale != 1:
+                    continue
+                variants = [(p, False) for p in pages if p > 1]
+            elif scale == 1 and 1 in pages:
                 variants.append((1, True))
             for page, as_lists in variants:
                 name = f"{cache} x{scale} page={page}" + (" [python lists]" if as_lists else "")
@@ -369,17 +379,18 @@ def print_table(jobs: list[Job], traces: dict[int, Trace], ratio_rows: list[dict
               f"{st['requests']} requests, {st['prompt_tokens']:,} prompt tokens, "
               f"{st['unique_tokens']:,} unique tokens")
     head = (f"{'configuration':<30} {'capacity':>9} {'reps':>4} {'match us':>8} {'insert us':>9} "
-            f"{'evict us':>8} {'evicts':>6} {'lock us':>7} {'unlock us':>9} {'hit':>6} {'hit(inf)':>8} "
-            f"{'skip':>4}")
+            f"{'evict us':>8} {'evicts':>6} {'lock us':>7} {'unlock us':>9} {'req us':>7} {'hit':>6} "
+            f"{'hit(inf)':>8} {'skip':>4}")
     print("\n" + head + "\n" + "-" * len(head))
     for j in jobs:
         print(f"{j.name:<30} {j.capacity:>9,} {j.repeats:>4} {_fmt(_med(j, 'match_us'))} "
               f"{_fmt(_med(j, 'insert_us'), '9.2f')} {_fmt(_med(j, 'evict_us'))} "
               f"{_fmt(_med(j, 'evict_calls'), '6.0f')} {_fmt(_med(j, 'lock_us'), '7.2f')} "
-              f"{_fmt(_med(j, 'unlock_us'), '9.2f')} {_med(j, 'hit_rate'):6.3f} "
+              f"{_fmt(_med(j, 'unlock_us'), '9.2f')} {_fmt(_med(j, 'request_us'), '7.1f')} {_med(j, 'hit_rate'):6.3f} "
               f"{j.unlimited['hit_rate']:8.3f} {_fmt(_med(j, 'skipped'), '4.0f')}")
     print("(us = median over repeats of the mean microseconds per call; evicts = evict calls per run;"
-          " hit = matched / prompt tokens; hit(inf) = same trace, a pool that never evicts)")
+          " req us = all cache calls of one request; hit = matched / prompt tokens;"
+          " hit(inf) = same trace, a pool that never evicts)")
     for r in ratio_rows:
         print(f"x{r['scale']}/x1 {r['cache']} page={r['page_size']}: match {_fmt(r['match_ratio'], '.2f')}x, "
               f"insert {_fmt(r['insert_ratio'], '.2f')}x, evict {_fmt(r['evict_ratio'], '.2f')}x "

@@ -90,11 +90,11 @@ class BeladyRadixCache(RadixCache):
             self._namespace_of[id(root)] = namespace
         return root
 
-    def _farthest_first(self, node: RadixNode) -> tuple:
+    def _farthest_first(self, node: RadixNode) -> float:
         parts = [node.key[: self._page_bytes]]
         walk = node.parent
         while walk.parent is not None:
             parts.append(walk.key)
             walk = walk.parent
         prefix = b"".join(reversed(parts))
-        return (-self.future.next_use(prefix, self._namespace_of[id(walk)]),)
+        return -self.future.next_use(prefix, self._namespace_of[id(walk)])

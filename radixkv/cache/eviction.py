@@ -19,19 +19,22 @@ class _HasStats(Protocol):
     created: int
 
 
-Priority = Callable[[_HasStats], tuple]
+Priority = Callable[[_HasStats], float]
+
+# Priorities are plain numbers, not tuples: heaps compare them on every push and pop.
+_CLOCK_SPAN = 1 << 48  # logical clocks stay below this, so hit_count * span + clock orders by hits first
 
 POLICIES: dict[str, Priority] = {
     # least recently used first (SGLang's and vLLM's default)
-    "lru": lambda e: (e.last_access,),
+    "lru": lambda e: e.last_access,
     # fewest hits first, ties by recency
-    "lfu": lambda e: (e.hit_count, e.last_access),
+    "lfu": lambda e: e.hit_count * _CLOCK_SPAN + e.last_access,
     # oldest created first
-    "fifo": lambda e: (e.created,),
+    "fifo": lambda e: e.created,
     # most recently used first
-    "mru": lambda e: (-e.last_access,),
+    "mru": lambda e: -e.last_access,
     # newest created first
-    "filo": lambda e: (-e.created,),
+    "filo": lambda e: -e.created,
 }
 
 

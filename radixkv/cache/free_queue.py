@@ -30,19 +30,22 @@ class FreeQueue:
 
     def push_reversed(self, items: Sequence[Any]) -> None:
         """Append ``items`` at the tail, last item first."""
-        for item in reversed(items):
-            self._items[item] = None
-
-    def touch_reversed(self, items: Sequence[Any]) -> None:
-        """Move the queued ones among ``items`` to the tail, last item first (a hit then a release)."""
         queue = self._items
         for item in reversed(items):
-            if item in queue:
-                queue.move_to_end(item)
+            queue[item] = None
+
+    def refresh(self, items: Sequence[Any]) -> None:
+        """Nothing: the order is release order, which a lookup does not change (vLLM's free queue)."""
 
     def remove(self, item: Any) -> None:
         """Take ``item`` out if it is queued."""
         self._items.pop(item, None)
+
+    def remove_many(self, items: Sequence[Any]) -> None:
+        """Take every queued one of ``items`` out."""
+        pop = self._items.pop
+        for item in items:
+            pop(item, None)
 
     def pop(self) -> Any | None:
         """The head item, removed; None when empty."""
@@ -58,9 +61,9 @@ class PriorityFreeQueue:
     ``stamp`` attribute.
     """
 
-    def __init__(self, priority: Callable[[Any], tuple]):
+    def __init__(self, priority: Callable[[Any], float]):
         self._priority = priority
-        self._heap: list[tuple[tuple, int, Any]] = []
+        self._heap: list[tuple[float, int, Any]] = []
         self._members: set[Any] = set()
         self._seq = 0
 
@@ -83,11 +86,15 @@ class PriorityFreeQueue:
             self._heap = [e for e in self._heap if e[2].stamp == e[1] and e[2] in self._members]
             heapq.heapify(self._heap)
 
-    def touch_reversed(self, items: Sequence[Any]) -> None:
+    def refresh(self, items: Sequence[Any]) -> None:
+        """Re-rank the queued ones among ``items`` after their statistics changed (a lookup hit them)."""
         self.push_reversed([item for item in items if item in self._members])
 
     def remove(self, item: Any) -> None:
         self._members.discard(item)
+
+    def remove_many(self, items: Sequence[Any]) -> None:
+        self._members.difference_update(items)
 
     def pop(self) -> Any | None:
         heap = self._heap

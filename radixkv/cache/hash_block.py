@@ -33,7 +33,9 @@ Hash functions (``hash_algo``):
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,6 +45,8 @@ from radixkv.cache.eviction import get_policy
 from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_CACHED = attrgetter("cached")
+_REF_CNT = attrgetter("ref_cnt")
 _LE_INT64 = np.dtype("<i8")
 
 BlockKey = Hashable
@@ -128,6 +132,9 @@ class HashBlockCache:
     (8, 8)
     """
 
+    MEMO_ENTRIES = 1024  # first blocks whose key chains are remembered (see _recall)
+    MEMO_CHAINS = 32  # chains remembered per first block
+
     def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str = "lru"):
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -140,12 +147,15 @@ class HashBlockCache:
         self.eviction_policy = eviction_policy
         self._hash: ChainHash = {"sha256": _sha256, "builtin": _builtin}.get(hash_algo) or _xxhash()
         self._seeds: dict[Hashable, BlockKey] = {}
+        # (namespace, first block bytes) -> recent (token bytes, their chained keys, last block); see _recall.
+        self._memo: OrderedDict[tuple, deque[tuple[bytes, list[BlockKey], bytes]]] = OrderedDict()
         self.reset()
 
     def reset(self) -> None:
         """Drop every block (old handles can no longer be locked); clock and statistics at zero. O(blocks)."""
         for block in getattr(self, "_blocks", {}).values():
-            block.cached = False
+            block.cached = False  # old handles can neither lock nor unlock these again
+            block.ref_cnt = 0
         self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
         if self.eviction_policy == "lru":
@@ -210,30 +220,97 @@ class HashBlockCache:
             keys.append(h)
         return keys
 
+    def _recall(self, data: bytes, namespace: Hashable) -> list[BlockKey]:
+        """Keys of the leading blocks of ``data`` that an earlier call already hashed.
+
+        vLLM hashes a request's blocks once and keeps them on the request; the
+        cache has no request object, so it remembers the key chains of the
+        latest sequences starting with the same first block, and reuses the
+        one sharing the longest prefix with ``data`` (a later turn of a chat
+        extends an earlier turn's whole sequence). O(MEMO_CHAINS * len(data)) memcmp.
+        """
+        step = 8 * self.block_size
+        chains = self._memo.get((namespace, data[:step]))
+        if not chains:
+            return []
+        size, best_n, best = len(data), 0, None
+        for old, keys, tail in reversed(chains):
+            n = len(old)
+            if n <= size:
+                # A prefix of data? Its last block first: chains of other conversations differ
+                # there, so most are rejected by a short compare before the long memcmp.
+                if n > best_n and data[n - step : n] == tail and data.startswith(old):
+                    best_n, best = n, keys
+                    if n == size:
+                        break
+            elif size > best_n and old.startswith(data):
+                best_n, best = size, keys
+                break
+        if best is not None:
+            return best[: best_n // step]
+        old, keys, _ = chains[-1]  # no chain is a prefix: reuse what the most recent one shares
+        n = min(len(old), len(data))
+        a = np.frombuffer(old, dtype=np.int64, count=n // 8)
+        b = np.frombuffer(data, dtype=np.int64, count=n // 8)
+        differ = np.flatnonzero(a != b)
+        shared = int(differ[0]) * 8 if len(differ) else n
+        return keys[: shared // step]
+
+    def _remember(self, data: bytes, namespace: Hashable, keys: list[BlockKey]) -> None:
+        if not keys:
+            return
+        step = 8 * self.block_size
+        slot = (namespace, data[:step])
+        chains = self._memo.get(slot)
+        if chains is None:
+            chains = self._memo[slot] = deque(maxlen=self.MEMO_CHAINS)
+            if len(self._memo) > self.MEMO_ENTRIES:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(slot)
+        covered = data if len(keys) * step == len(data) else data[: len(keys) * step]
+        if chains and covered.startswith(chains[-1][0]):
+            chains.pop()  # the newest chain extends the previous one: keep only the longer
+        chains.append((covered, keys, covered[-step:]))
+
     # ------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
         """Walk the block keys from the start; stop at the first miss.
 
-        Hit blocks are refreshed (recency, hit count) and, if unreferenced,
-        moved to the free queue's tail (chain tail first), as a hit followed
-        by a release would in vLLM. O(hit blocks + 1) hashes.
+        Hit blocks get their recency and hit count refreshed. With ``lru``, as
+        in vLLM, a lookup alone leaves the free queue as it is (``lock`` takes
+        the blocks out of it and ``unlock`` puts them back at the tail); the
+        other policies re-rank the hit blocks by their new statistics. O(hit blocks + 1)
+        hashes, fewer when an earlier call hashed the same prefix.
         """
         arr, data, nblocks = self._full_blocks(tokens)
         self._queried_tokens += len(arr)
         self._clock += 1
-        now, step, h, lookup = self._clock, 8 * self.block_size, self._seed(namespace), self._blocks.get
+        now, step, lookup = self._clock, 8 * self.block_size, self._blocks.get
+        keys = self._recall(data, namespace)
         hit: list[Block] = []
-        for i in range(nblocks):
-            h = self._hash(h, data[i * step : (i + 1) * step])
+        for h in keys:  # blocks whose keys an earlier call computed
             block = lookup(h)
             if block is None:
                 break
             block.last_access = now
             block.hit_count += 1
             hit.append(block)
+        else:
+            h = keys[-1] if keys else self._seed(namespace)
+            for i in range(len(keys), nblocks):
+                h = self._hash(h, data[i * step : (i + 1) * step])
+                keys.append(h)
+                block = lookup(h)
+                if block is None:
+                    break
+                block.last_access = now
+                block.hit_count += 1
+                hit.append(block)
+        self._remember(data, namespace, keys)
         if not hit:
             return MatchResult(0, _EMPTY.copy(), self.root)
-        self._queue.touch_reversed(hit)
+        self._queue.refresh(hit)
         length = len(hit) * self.block_size
         self._hit_tokens += length
         return MatchResult(length, np.concatenate([b.slots for b in hit]), BlockChain(tuple(hit)))
@@ -253,24 +330,32 @@ class HashBlockCache:
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
         now, bs, step = self._clock, self.block_size, 8 * self.block_size
-        h, blocks, leading = self._seed(namespace), self._blocks, None
-        new: list[Block] = []
-        for i in range(nblocks):
-            parent, chunk = h, data[i * step : (i + 1) * step]
-            h = self._hash(parent, chunk)
+        keys = self._recall(data, namespace)
+        h = keys[-1] if keys else self._seed(namespace)
+        for i in range(len(keys), nblocks):
+            h = self._hash(h, data[i * step : (i + 1) * step])
+            keys.append(h)
+        blocks = self._blocks
+        leading = nblocks
+        for i, h in enumerate(keys):  # the cached leading blocks: refresh them
             block = blocks.get(h)
-            if block is not None and leading is None:
-                block.last_access = now
-                continue
-            if leading is None:
-                leading = i * bs
-            if block is not None:
-                self._displace(block)
-            block = Block(h, parent, chunk, idx[i * bs : (i + 1) * bs].copy(), now)
+            if block is None:
+                leading = i
+                break
+            block.last_access = now
+        new: list[Block] = []
+        for i in range(leading, nblocks):
+            h = keys[i]
+            stranded = blocks.get(h)
+            if stranded is not None:
+                self._displace(stranded)
+            parent = keys[i - 1] if i else self._seed(namespace)
+            block = Block(h, parent, data[i * step : (i + 1) * step], idx[i * bs : (i + 1) * bs].copy(), now)
             blocks[h] = block
             new.append(block)
         self._queue.push_reversed(new)
-        return nblocks * bs if leading is None else leading
+        self._remember(data, namespace, keys)
+        return leading * bs
 
     def _displace(self, block: Block) -> None:
         # A stranded block has ref_cnt 0: a referenced chain always holds its whole prefix.
@@ -283,36 +368,38 @@ class HashBlockCache:
     def lock(self, node: BlockChain) -> None:
         """Reference every block of the handle (taking unreferenced ones out of the free queue)."""
         blocks = node.blocks
+        first_refs = [block for block in blocks if not block.ref_cnt]
+        # A referenced block is never evicted (and reset() zeroes the counts of what it drops),
+        # so only unreferenced blocks can be stale.
+        if not all(map(_CACHED, first_refs)):
+            raise LockError("cannot lock a handle one of whose blocks was evicted")
+        if first_refs:
+            self._queue.remove_many(first_refs)
+            self._protected_blocks += len(first_refs)
         for block in blocks:
-            if not block.cached:
-                raise LockError(f"cannot lock a handle whose {block!r} was evicted")
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self._queue.remove(block)
-                self._protected_blocks += 1
             block.ref_cnt += 1
 
     def unlock(self, node: BlockChain) -> None:
         """Release one reference of every block; freed blocks join the queue tail, chain tail first.
 
-        Raises ``LockError`` (changing nothing) when a block's count is already 0.
+        Raises ``LockError`` (changing nothing) when a block's count is already
+        0 (which includes every block of a handle from before ``reset``).
         """
         blocks = node.blocks
-        for block in blocks:
-            if not block.cached:
-                raise LockError(f"cannot unlock a handle whose {block!r} is no longer cached")
-            if block.ref_cnt <= 0:
-                raise LockError(f"unlock of {block!r} whose reference count is already 0")
+        if not all(map(_REF_CNT, blocks)):
+            bad = next(b for b in blocks if not b.ref_cnt)
+            raise LockError(f"unlock of {bad!r} whose reference count is already 0 (or no longer cached)")
         released = []
         for block in blocks:
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if not block.ref_cnt:
                 released.append(block)
-        self._protected_blocks -= len(released)
         if released:
+            self._protected_blocks -= len(released)
             self._clock += 1
+            now = self._clock
             for block in released:
-                block.last_access = self._clock
+                block.last_access = now
             self._queue.push_reversed(released)
 
     def evict(self, num_tokens: int) -> np.ndarray:

@@ -120,7 +120,7 @@ class RadixCache:
         self.root = RadixNode(b"", _EMPTY, None, 0)
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
         self._root_ids = {id(self.root)}
-        self._heap: list[tuple[tuple, int, RadixNode]] = []
+        self._heap: list[tuple[float, int, RadixNode]] = []
         self._num_nodes = 0
         self._total = 0
         self._protected = 0
@@ -173,7 +173,7 @@ class RadixCache:
         heapq.heapify(self._heap)
 
     @staticmethod
-    def _entry_is_live(entry: tuple[tuple, int, RadixNode]) -> bool:
+    def _entry_is_live(entry: tuple[float, int, RadixNode]) -> bool:
         node = entry[2]
         return (
             node.stamp == entry[1]
@@ -245,7 +245,7 @@ class RadixCache:
             if child is None:
                 break
             key = child.key
-            ends_inside = query[off : off + len(key)] != key
+            ends_inside = not query.startswith(key, off)  # compares in place, no slice copy
             if ends_inside:
                 child = self._split(child, self._common_bytes(key, query, off))
             off += len(child.key)
@@ -283,7 +283,7 @@ class RadixCache:
             if child is None:
                 break
             key = child.key
-            if query[off : off + len(key)] != key:
+            if not query.startswith(key, off):
                 # Diverges (or ends) inside this edge: after the split the
                 # next lookup misses, so the loop ends with the new leaf.
                 child = self._split(child, self._common_bytes(key, query, off))
