@@ -51,6 +51,11 @@ class FreeQueue:
         """The head item, removed; None when empty."""
         return self._items.popitem(last=False)[0] if self._items else None
 
+    def pop_many(self, n: int) -> list[Any]:
+        """Up to ``n`` items from the head, removed, head first."""
+        popitem = self._items.popitem
+        return [popitem(last=False)[0] for _ in range(min(n, len(self._items)))]
+
 
 class PriorityFreeQueue:
     """Entries ordered by ``priority(entry)`` (smallest first), ties by push order.
@@ -95,6 +100,15 @@ class PriorityFreeQueue:
 
     def remove_many(self, items: Sequence[Any]) -> None:
         self._members.difference_update(items)
+
+    def pop_many(self, n: int) -> list[Any]:
+        out = []
+        while len(out) < n:
+            item = self.pop()
+            if item is None:
+                break
+            out.append(item)
+        return out
 
     def pop(self) -> Any | None:
         heap = self._heap

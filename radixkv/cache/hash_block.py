@@ -412,14 +412,13 @@ class HashBlockCache:
         if self._displaced and num_tokens > 0:
             freed, count = self._displaced, self._displaced_tokens
             self._displaced, self._displaced_tokens = [], 0
-        while count < num_tokens:
-            block = self._queue.pop()
-            if block is None:
-                break
-            block.cached = False
-            del self._blocks[block.key]
-            freed.append(block.slots)
-            count += len(block.slots)
+        if count < num_tokens:
+            victims = self._queue.pop_many(-(-(num_tokens - count) // self.block_size))
+            blocks = self._blocks
+            for block in victims:
+                block.cached = False
+                del blocks[block.key]
+                freed.append(block.slots)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def cacheable_length(self, num_tokens: int) -> int:
