@@ -59,6 +59,16 @@ def run(names: list[str], fractions: list[float], evictions: list[str], schedule
     return rows
 
 
+def add_belady_share(rows: list[dict]) -> None:
+    """Each row's hit rate as a percentage of Belady's at the same workload, capacity and schedule."""
+    belady = {(r["workload"], r["capacity_frac"], r["schedule"]): r["hit_rate"]
+              for r in rows if r["eviction_policy"] == "belady"}
+    for r in rows:
+        ref = belady.get((r["workload"], r["capacity_frac"], r["schedule"]))
+        r["belady_hit_rate"] = ref
+        r["pct_of_belady"] = 100 * r["hit_rate"] / ref if ref else None
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Mean % of upper bound over workloads, per (capacity, eviction, schedule)."""
     keys = sorted({(r["capacity_frac"], r["eviction_policy"], r["schedule"]) for r in rows})
@@ -67,8 +77,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         sel = [r for r in rows if (r["capacity_frac"], r["eviction_policy"], r["schedule"]) == (frac, ev, sched)]
         out.append({"capacity_frac": frac, "eviction": ev, "schedule": sched,
                     "mean_hit_rate": float(np.mean([r["hit_rate"] for r in sel])),
-                    "mean_pct_of_upper_bound": float(np.mean([r["pct_of_upper_bound"] for r in sel]))})
+                    "mean_pct_of_upper_bound": float(np.mean([r["pct_of_upper_bound"] for r in sel])),
+                    "mean_pct_of_belady": _mean_or_none([r["pct_of_belady"] for r in sel])})
     return out
+
+
+def _mean_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 def plot(summary: list[dict], evictions: list[str], schedules: list[str]):
@@ -97,9 +113,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     evictions, schedules = args.evictions.split(","), args.schedules.split(",")
     rows = run(args.workloads.split(","), [float(f) for f in args.capacity_fracs.split(",")], evictions,
                schedules, args)
+    add_belady_share(rows)
     summary = summarize(rows)
-    print(table(summary, ["capacity_frac", "eviction", "schedule", "mean_hit_rate", "mean_pct_of_upper_bound"],
-                {"mean_hit_rate": ".3f", "mean_pct_of_upper_bound": ".1f"}))
+    print(table(summary, ["capacity_frac", "eviction", "schedule", "mean_hit_rate", "mean_pct_of_upper_bound",
+                          "mean_pct_of_belady"],
+                {"mean_hit_rate": ".3f", "mean_pct_of_upper_bound": ".1f", "mean_pct_of_belady": ".1f"}))
     print("wrote", write_rows(args.out, rows), save_figure(plot(summary, evictions, schedules), args.out))
     return rows
 

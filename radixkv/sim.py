@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -336,9 +336,7 @@ def simulate(
         schedule_policy: ``fcfs``, ``lpm``, ``dfs-weight`` or ``random`` (seeded by ``seed``).
         in_batch_sharing: a token threshold enabling in-batch prefix sharing.
     """
-    requests = list(requests)
-    if any(r.rid != i for i, r in enumerate(requests)):
-        raise ValueError("requests must be numbered 0..n-1 in arrival order (as workloads produce them)")
+    requests = _numbered(list(requests))
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
     policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing)
@@ -364,6 +362,21 @@ def simulate(
         "requests": len(requests),
     }
     return result
+
+
+def _numbered(requests: list[Request]) -> list[Request]:
+    """The requests with ``rid`` = rank in arrival order (copies, only where that is not so already).
+
+    Workload generators number their requests; hand-made lists need not, and
+    their ``parent`` fields then name positions in the given list.
+    """
+    if all(r.rid == i for i, r in enumerate(requests)) and all(
+            a.arrival <= b.arrival for a, b in zip(requests, requests[1:], strict=False)):
+        return requests
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    rank = {old: new for new, old in enumerate(order)}
+    return [replace(requests[old], rid=new, parent=None if requests[old].parent is None
+                    else rank[requests[old].parent]) for new, old in enumerate(order)]
 
 
 def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:

@@ -167,6 +167,13 @@ def test_cost_model_terms():
     assert cm.decode_time(4) == pytest.approx(3.0) and cm.decode_time(0) == 0.0
 
 
+def test_hand_made_requests_need_no_numbering():
+    a = Request(arrival=1.0, session=0, prompt=[1, 2, 3, 4], output_len=2)
+    b = Request(arrival=0.0, session=0, prompt=[1, 2, 3, 5], output_len=2)
+    res = simulate([a, b], max_running=1)
+    assert [r["prompt_len"] for r in res.per_request] == [4, 4] and res.hit_tokens == 3
+
+
 def test_simulate_rejects_bad_arguments():
     reqs = workloads.make("no_sharing", **SMALL["no_sharing"])
     with pytest.raises(ValueError):
