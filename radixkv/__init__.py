@@ -13,8 +13,19 @@ from radixkv.memory import OutOfSlotsError, SlotAllocator
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # KVPool needs torch; importing it lazily keeps `import radixkv` (caches, simulator) torch-free and fast.
+    if name == "KVPool":
+        from radixkv.kv_pool import KVPool
+
+        return KVPool
+    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+
+
 __all__ = [
     "HashBlockCache",
+    "KVPool",
     "LockError",
     "MatchResult",
     "NoPrefixCache",

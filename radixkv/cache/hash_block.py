@@ -280,8 +280,8 @@ class HashBlockCache:
         Hit blocks get their recency and hit count refreshed. With ``lru``, as
         in vLLM, a lookup alone leaves the free queue as it is (``lock`` takes
         the blocks out of it and ``unlock`` puts them back at the tail); the
-        other policies re-rank the hit blocks by their new statistics. O(hit blocks + 1)
-        hashes, fewer when an earlier call hashed the same prefix.
+        other policies re-rank the hit blocks by their new statistics.
+        O(hit blocks + 1) hashes, fewer when an earlier call hashed the same prefix.
         """
         arr, data, nblocks = self._full_blocks(tokens)
         self._queried_tokens += len(arr)
@@ -289,7 +289,9 @@ class HashBlockCache:
         now, step, lookup = self._clock, 8 * self.block_size, self._blocks.get
         keys = self._recall(data, namespace)
         hit: list[Block] = []
-        for h in keys:  # blocks whose keys an earlier call computed
+        # Two loops with the same body (known keys, then keys hashed on demand): this is the
+        # hot path, and a shared generator costs about 0.1 us per block.
+        for h in keys:
             block = lookup(h)
             if block is None:
                 break

@@ -212,6 +212,8 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
+        if not child.children and child.lock_ref == 0:
+            self._push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
         return upper
 
     def _root_for(self, namespace: Hashable, create: bool) -> RadixNode | None:

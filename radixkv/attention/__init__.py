@@ -1,0 +1,41 @@
+"""Attention backends behind one plan/run interface; ``make_backend`` picks one."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from radixkv.attention.base import AttentionBackend, AttentionBatch
+from radixkv.attention.reference import TorchReferenceBackend
+from radixkv.kv_pool import KVPool
+
+BACKENDS = ("auto", "torch", "flashinfer")
+
+
+def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
+    """Why FlashInfer cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available (FlashInfer runs on NVIDIA GPUs only)"
+    if pool.device.type != "cuda":
+        return f"the KV pool lives on {pool.device}, not on a CUDA device"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "the flashinfer package is not installed (pip install -e '.[gpu]')"
+    return None
+
+
+def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None = None) -> AttentionBackend:
+    """``torch`` (reference), ``flashinfer``, or ``auto`` (FlashInfer when CUDA and flashinfer are present)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKENDS)}")
+    reason = flashinfer_unavailable_reason(pool) if name != "torch" else "not asked for"
+    if name == "flashinfer" and reason:
+        raise RuntimeError(f"attention_backend='flashinfer' cannot run: {reason}")
+    if name == "flashinfer" or (name == "auto" and reason is None):
+        from radixkv.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(pool, num_qo_heads, scale)
+    return TorchReferenceBackend(pool, num_qo_heads, scale)
+
+
+__all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "TorchReferenceBackend", "make_backend"]

@@ -1,0 +1,61 @@
+"""The attention interface: ``plan(batch)`` once per forward step, ``run(q, layer)`` per layer.
+
+A step's batch is a list of requests, each contributing ``new_len`` query
+tokens (consecutive in the flat query tensor, in request order) that sit
+after ``prefix_len`` tokens whose K/V are already in the pool. Query token i
+of a request attends to KV positions ``0 .. prefix_len + i`` (causal, offset
+by the prefix). A decode is ``new_len == 1``; a prefill with a cached prefix
+has ``prefix_len > 0``. The step's own new K/V must be stored in the pool
+(``KVPool.store``) before ``run`` is called for that layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Per-request metadata of one forward step.
+
+    Attributes:
+        prefix_lens: KV tokens already in the pool before this step, per request.
+        new_lens: query tokens this step, per request (1 for a decode).
+        slots: per request, the slot of every KV position,
+            ``len(slots[r]) == prefix_lens[r] + new_lens[r]`` (int64).
+    """
+
+    prefix_lens: Sequence[int]
+    new_lens: Sequence[int]
+    slots: Sequence[np.ndarray]
+
+    def __post_init__(self) -> None:
+        if not (len(self.prefix_lens) == len(self.new_lens) == len(self.slots)):
+            raise ValueError("prefix_lens, new_lens and slots must have one entry per request")
+        for r, (p, n, s) in enumerate(zip(self.prefix_lens, self.new_lens, self.slots, strict=True)):
+            if p < 0 or n < 1 or len(s) != p + n:
+                raise ValueError(f"request {r}: prefix {p}, new {n} and {len(s)} slots are inconsistent")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.new_lens))
+
+    @property
+    def qo_indptr(self) -> np.ndarray:
+        """``[batch + 1]`` int32 offsets of each request's query rows."""
+        return np.concatenate([[0], np.cumsum(self.new_lens)]).astype(np.int32)
+
+
+class AttentionBackend(Protocol):
+    """What the model calls: plan once per step, run once per layer."""
+
+    def plan(self, batch: AttentionBatch) -> None: ...
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """q: ``[num_tokens, num_qo_heads, head_dim]`` -> out of the same shape."""
+        ...

@@ -1,0 +1,92 @@
+"""The one place that talks to FlashInfer: paged prefill and decode wrappers over the KV pool.
+
+Imported lazily (``make_backend``) so that CPU-only installs never need
+flashinfer. Prefill rows (``new_len > 1``) go to
+``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (FlashInfer aligns
+the causal mask to the end of the KV, which is exactly the prefix offset);
+decode rows (``new_len == 1``) go to ``BatchDecodeWithPagedKVCacheWrapper``.
+Metadata is int32 CSR: ``qo_indptr [b+1]``, ``kv_indptr [b+1]`` (pages),
+``kv_indices [total pages]``, ``kv_last_page_len [b]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixkv.attention.base import AttentionBatch
+from radixkv.kv_pool import KVPool
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def page_table(slot_lists: list[np.ndarray], page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR page table (kv_indptr, kv_indices, kv_last_page_len), all int32, from slot lists.
+
+    Every request's slots must fill whole pages in order (slot k of a page is
+    ``page * page_size + k``), as a page-aligned ``SlotAllocator`` and the prefix
+    caches guarantee; anything else is a clear ``ValueError``.
+    """
+    indptr, indices, last = [0], [], []
+    for slots in slot_lists:
+        slots = np.asarray(slots, dtype=np.int64)
+        pages = slots[::page_size] // page_size
+        expect = (pages[:, None] * page_size + np.arange(page_size)).ravel()[: len(slots)]
+        if not np.array_equal(slots, expect):
+            raise ValueError("a request's slots do not fill whole pages in order; cannot build a page table")
+        indices.append(pages)
+        indptr.append(indptr[-1] + len(pages))
+        last.append(len(slots) - (len(pages) - 1) * page_size)
+    cat = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+    return np.asarray(indptr, np.int32), cat.astype(np.int32), np.asarray(last, np.int32)
+
+
+class FlashInferBackend:
+    """Paged attention with FlashInfer kernels (CUDA only). See the module docstring."""
+
+    name = "flashinfer"
+
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
+        import flashinfer  # lazy: only GPU users have it
+
+        if pool.device.type != "cuda":
+            raise RuntimeError("FlashInferBackend needs the KV pool on a CUDA device")
+        self.pool, self.num_qo_heads = pool, num_qo_heads
+        self.scale = scale if scale is not None else pool.head_dim**-0.5
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)  # allocated once
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def plan(self, batch: AttentionBatch, q_dtype: torch.dtype | None = None) -> None:
+        dev, ps, pool = self.pool.device, self.pool.page_size, self.pool
+        q_dtype = q_dtype or pool.dtype
+        starts = batch.qo_indptr[:-1]
+        pre = [r for r, n in enumerate(batch.new_lens) if n > 1]
+        dec = [r for r, n in enumerate(batch.new_lens) if n == 1]
+        to_dev = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
+        rows_pre = np.concatenate([np.arange(starts[r], starts[r] + batch.new_lens[r]) for r in pre]) if pre else []
+        self._rows = (torch.as_tensor(rows_pre, dtype=torch.long, device=dev),
+                      torch.as_tensor(starts[dec], dtype=torch.long, device=dev))
+        self._has = (bool(pre), bool(dec))
+        if pre:
+            indptr, indices, last = page_table([batch.slots[r] for r in pre], ps)
+            qo = np.concatenate([[0], np.cumsum([batch.new_lens[r] for r in pre])]).astype(np.int32)
+            self._prefill.plan(to_dev(qo), to_dev(indptr), to_dev(indices), to_dev(last), self.num_qo_heads,
+                               pool.num_kv_heads, pool.head_dim, ps, causal=True, sm_scale=self.scale,
+                               q_data_type=q_dtype, kv_data_type=pool.dtype)
+        if dec:
+            indptr, indices, last = page_table([batch.slots[r] for r in dec], ps)
+            self._decode.plan(to_dev(indptr), to_dev(indices), to_dev(last), self.num_qo_heads, pool.num_kv_heads,
+                              pool.head_dim, ps, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        # q: [num_tokens, num_qo_heads, head_dim]
+        out = torch.empty_like(q)
+        kv = self.pool.pages(layer)  # ([num_pages, page_size, num_kv_heads, head_dim],) * 2
+        rows_pre, rows_dec = self._rows
+        if self._has[0]:
+            out[rows_pre] = self._prefill.run(q[rows_pre], kv)
+        if self._has[1]:
+            out[rows_dec] = self._decode.run(q[rows_dec], kv)
+        return out

