@@ -5,6 +5,7 @@ It runs on CPU and GPU and is the oracle every other backend is tested against.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +16,10 @@ from radixkv.kv_pool import KVPool
 class TorchReferenceBackend:
     """Exact attention over paged KV, one request at a time.
 
-    ``plan`` builds, per request, the slot index tensor and the boolean mask
-    ``[new_len, prefix_len + new_len]`` with ``mask[i, j] = j <= prefix_len + i``.
+    ``plan`` builds, per request, the slot index tensor and, for a prefill
+    after a cached prefix, the boolean mask ``[new_len, prefix_len + new_len]``
+    with ``mask[i, j] = j <= prefix_len + i`` (a request without a prefix is
+    plain causal attention; a decode sees every position).
     ``run`` gathers that request's K/V from the pool and calls
     ``scaled_dot_product_attention`` (grouped-query heads without copies; a
     request without a prefix uses the plain causal kernel).
@@ -31,30 +34,37 @@ class TorchReferenceBackend:
         self.pool, self.num_qo_heads = pool, num_qo_heads
         self.group = num_qo_heads // pool.num_kv_heads
         self.scale = scale if scale is not None else pool.head_dim**-0.5
-        self._plan: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._plan: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None, bool]] = []
 
     def plan(self, batch: AttentionBatch) -> None:
         dev = self.pool.device
         self._plan = []
         start = 0
         for p, n, slots in zip(batch.prefix_lens, batch.new_lens, batch.slots, strict=True):
-            idx = torch.as_tensor(slots, dtype=torch.long, device=dev)  # [p + n]
-            q_pos = torch.arange(n, device=dev)[:, None] + p
-            mask = torch.arange(p + n, device=dev)[None, :] <= q_pos  # [n, p + n]
-            self._plan.append((start, n, idx, mask))
+            slots = np.asarray(slots, dtype=np.int64)
+            if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and (np.diff(slots) == 1).all():
+                idx = slice(int(slots[0]), int(slots[-1]) + 1)  # contiguous slots: read a view, no gather
+            else:
+                idx = torch.as_tensor(slots, dtype=torch.long, device=dev)  # [p + n]
+            # Only a prefill after a cached prefix needs the explicit offset mask: without a prefix the
+            # causal kernel applies, and a decode's single query sees every position.
+            mask = None
+            if p and n > 1:
+                mask = torch.arange(p + n, device=dev)[None, :] <= torch.arange(n, device=dev)[:, None] + p  # [n, p+n]
+            self._plan.append((start, n, idx, mask, p == 0 and n > 1))
             start += n
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]
         out = torch.empty_like(q)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
-        for start, n, idx, mask in self._plan:
-            k = k_all.index_select(0, idx).to(q.dtype).transpose(0, 1)  # [num_kv_heads, L, head_dim]
-            v = v_all.index_select(0, idx).to(q.dtype).transpose(0, 1)
-            qr = q[start : start + n].transpose(0, 1)  # [num_qo_heads, n, head_dim]
-            # No cached prefix: plain causal attention, which takes SDPA's fused kernels.
-            causal = mask.shape[0] == mask.shape[1]
-            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=None if causal else mask, is_causal=causal,
+        for start, n, idx, mask, causal in self._plan:
+            # 4-D [1, heads, tokens, head_dim] inputs: the layout SDPA's fused CPU kernels take
+            k, v = k_all[idx], v_all[idx]  # a view for a slice, a gather for an index tensor
+            k = k.to(q.dtype).transpose(0, 1)[None]  # [1, num_kv_heads, L, head_dim]
+            v = v.to(q.dtype).transpose(0, 1)[None]
+            qr = q[start : start + n].transpose(0, 1)[None]  # [1, num_qo_heads, n, head_dim]
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, is_causal=causal,
                                                scale=self.scale, enable_gqa=self.group > 1)
-            out[start : start + n] = o.transpose(0, 1)  # o: [num_qo_heads, n, head_dim]
+            out[start : start + n] = o[0].transpose(0, 1)  # o: [1, num_qo_heads, n, head_dim]
         return out
