@@ -286,7 +286,7 @@ class _Simulation:
         else:
             dt = self.cost.step_overhead + self.cost.decode_time(len(decoding))
             strides = min(s.req.output_len - s.generated for s in decoding)
-            if self.pending:  # stop striding when the next request arrives
+            if self.pending and dt > 0:  # stop striding when the next request arrives
                 strides = max(1, min(strides, math.ceil((self.pending[0][0] - self.now) / dt)))
         self.now += dt * strides
         for s in decoding:

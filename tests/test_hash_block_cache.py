@@ -235,3 +235,12 @@ def test_handles_from_before_reset_cannot_be_locked_or_unlocked(cache):
         cache.unlock(m.node)
     assert (cache.total_size, cache.protected_size) == (0, 0)
     cache.check_invariants()
+
+
+def test_regression_insert_refreshes_recency_of_cached_blocks_for_priority_policies():
+    """A block touched by insert must be re-ranked: mru then evicts it first (as the radix tree does)."""
+    for cache in (HashBlockCache(block_size=2, eviction_policy="mru"), RadixCache(page_size=2, eviction_policy="mru")):
+        cache.insert([1, 1], [0, 1])
+        cache.insert([2, 2], [2, 3])
+        cache.insert([1, 1], [4, 5])  # touches [1, 1]: now the most recently used
+        assert cache.evict(2).tolist() == [0, 1]

@@ -256,3 +256,9 @@ def test_mooncake_blocks_become_tokens(tmp_path):
     assert a.prompt[:512].tolist() == b.prompt[:512].tolist() and a.prompt[512] != b.prompt[512]
     res = simulate([a, b], cache="radix", max_running=1)
     assert res.hit_tokens == 512 == trace_upper_bound(read_trace(path))["hit_tokens"]
+
+
+def test_zero_cost_model_does_not_divide_by_zero():
+    reqs = workloads.make("multi_turn", seed=10, **SMALL["multi_turn"])
+    free = CostModel(prefill_per_token=0, attention_per_pair=0, decode_step=0, decode_per_seq=0, step_overhead=0)
+    assert simulate(reqs, cost_model=free).makespan == pytest.approx(0.0, abs=1e-6)

@@ -19,6 +19,8 @@ from typing import Any
 class FreeQueue:
     """Insertion-ordered queue (least recently released at the head). All operations O(1)."""
 
+    ranks_by_stats = False  # the order is release order: lookups do not move entries
+
     def __init__(self) -> None:
         self._items: OrderedDict[Any, None] = OrderedDict()
 
@@ -65,6 +67,8 @@ class PriorityFreeQueue:
     ones. Push, pop and remove cost O(log n) amortized. Entries need a writable
     ``stamp`` attribute.
     """
+
+    ranks_by_stats = True  # entries must be re-ranked when their statistics change
 
     def __init__(self, priority: Callable[[Any], float]):
         self._priority = priority

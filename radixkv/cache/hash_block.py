@@ -345,6 +345,8 @@ class HashBlockCache:
                 leading = i
                 break
             block.last_access = now
+        if self._queue.ranks_by_stats:  # their recency changed; lru's release-order queue ignores that
+            self._queue.refresh([blocks[h] for h in keys[:leading]])
         new: list[Block] = []
         for i in range(leading, nblocks):
             h = keys[i]
