@@ -23,6 +23,7 @@ import torch
 
 from radixkv.attention import AttentionBatch, make_backend
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache, match_for_prefill
+from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
@@ -294,22 +295,13 @@ class LLM:
 
     def _cache_progress(self, s: _Seq) -> None:
         """Insert the request's computed prompt tokens; free duplicates; adopt the cache's slots and move the lock."""
-        upto = min(s.computed, len(s.prompt))
-        toks = s.prompt[:upto]
-        already = self.cache.insert(toks, s.slots[:upto], s.namespace)
-        self.allocator.free(s.slots[s.cached : already])
-        m = self.cache.match_prefix(toks, s.namespace)
-        self.cache.lock(m.node)
-        self.cache.unlock(s.node)
-        s.node, s.cached = m.node, m.length
-        s.slots = np.concatenate([m.indices, s.slots[m.length :]])
+        toks = s.prompt[: min(s.computed, len(s.prompt))]
+        s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, toks, s.slots, s.cached, s.node,
+                                                  s.namespace)
 
     def _finish(self, s: _Seq) -> RequestOutput:
         seq = s.tokens[:-1]  # the last token's KV was never computed
-        already = self.cache.insert(seq, s.slots[: len(seq)], s.namespace)
-        self.allocator.free(s.slots[s.cached : already])
-        self.allocator.free(s.slots[max(self.cache.cacheable_length(len(seq)), s.cached) :])
-        self.cache.unlock(s.node)
+        release_sequence(self.cache, self.allocator, seq, s.slots[: len(seq)], s.cached, s.node, s.namespace)
         self.running.remove(s)
         text = self.tokenizer.decode(s.output, skip_special_tokens=True) if self.tokenizer is not None else ""
         times = s.token_times

@@ -34,6 +34,7 @@ import numpy as np
 from radixkv.cache.base import PrefixCache, match_for_prefill
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.hash_block import HashBlockCache
+from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
 from radixkv.memory import SlotAllocator
@@ -245,25 +246,14 @@ class _Simulation:
         freed and the request's slots become the cache's canonical ones; its
         lock moves to the node that now ends its prompt.
         """
-        req, cache = run.req, self.cache
-        n = len(req.prompt)
-        already = cache.insert(req.prompt, run.slots[:n], req.namespace)
-        self.alloc.free(run.slots[run.hit : already])
-        m = cache.match_prefix(req.prompt, req.namespace)
-        cache.lock(m.node)
-        cache.unlock(run.node)
-        run.node = m.node
-        run.slots = np.concatenate([m.indices, run.slots[m.length :]])
-        run.cached = m.length
+        req = run.req
+        run.node, run.cached, run.slots = commit_prefix(self.cache, self.alloc, req.prompt, run.slots, run.cached,
+                                                        run.node, req.namespace)
 
     def _finish(self, run: _Running) -> None:
-        req, cache = run.req, self.cache
-        out = _output_tokens(req, self.fresh)
-        seq = np.concatenate([req.prompt, out[:-1]])
-        already = cache.insert(seq, run.slots, req.namespace)
-        self.alloc.free(run.slots[run.cached : already])  # duplicates of what the cache already held
-        self.alloc.free(run.slots[max(cache.cacheable_length(len(seq)), run.cached) :])  # what it did not take
-        cache.unlock(run.node)
+        req = run.req
+        seq = np.concatenate([req.prompt, _output_tokens(req, self.fresh)[:-1]])
+        release_sequence(self.cache, self.alloc, seq, run.slots, run.cached, run.node, req.namespace)
         n = len(req.prompt)
         self.result.per_request.append({
             "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,

@@ -9,11 +9,45 @@ and whatever the cache did not take, unlock.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
 from radixkv.cache.base import PrefixCache, TokenSeq, match_for_prefill
 from radixkv.memory import SlotAllocator
+
+
+def commit_prefix(cache: PrefixCache, allocator: SlotAllocator, tokens: TokenSeq, slots: np.ndarray,
+                  cached: int, node: Any, namespace: Hashable = None) -> tuple[Any, int, np.ndarray]:
+    """Cache the KV a running request has computed so far, keeping the request's lock on it.
+
+    ``tokens`` are the request's leading tokens whose KV sits at
+    ``slots[:len(tokens)]``; the first ``cached`` slots are already the
+    cache's (locked through ``node``). Inserts them, frees the slots the cache
+    already held a copy of, re-matches so the request uses the cache's
+    canonical slots from now on (it never points at freed duplicates) and
+    moves the lock to the new node. Returns ``(node, cached, slots)``.
+    """
+    already = cache.insert(tokens, slots[: len(tokens)], namespace)
+    allocator.free(slots[cached:already])
+    m = cache.match_prefix(tokens, namespace)
+    cache.lock(m.node)
+    cache.unlock(node)
+    return m.node, m.length, np.concatenate([m.indices, slots[m.length :]])
+
+
+def release_sequence(cache: PrefixCache, allocator: SlotAllocator, tokens: TokenSeq, slots: np.ndarray,
+                     cached: int, node: Any, namespace: Hashable = None) -> None:
+    """A finished request's last step: cache ``tokens`` (KV at ``slots``), free what the cache did not take, unlock.
+
+    The first ``cached`` slots are the cache's; of the rest, the duplicates of
+    blocks the cache already held and the tail it does not keep (a partial
+    page or block, or everything for ``NoPrefixCache``) go back to ``allocator``.
+    """
+    already = cache.insert(tokens, slots, namespace)
+    allocator.free(slots[cached:already])  # duplicates of what the cache already held
+    allocator.free(slots[max(cache.cacheable_length(len(tokens)), cached) :])  # what it did not take
+    cache.unlock(node)
 
 
 def serve_once(
@@ -33,15 +67,14 @@ def serve_once(
     prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
     m = match_for_prefill(cache, prompt, namespace)
     cache.lock(m.node)
+    seq = np.concatenate([prompt, np.asarray(output[:-1], dtype=np.int64)]) if len(output) else prompt
+    need = len(seq) - m.length
     try:
-        seq = np.concatenate([prompt, np.asarray(output[:-1], dtype=np.int64)]) if len(output) else prompt
-        need = len(seq) - m.length
         if allocator.num_free < need:
             allocator.free(cache.evict(need - allocator.num_free))
         slots = np.concatenate([m.indices, allocator.alloc(need)])
-        already = cache.insert(seq, slots, namespace)
-        allocator.free(slots[m.length : already])  # duplicates of what the cache already held
-        allocator.free(slots[max(cache.cacheable_length(len(seq)), m.length) :])  # what it did not take
-    finally:
+    except BaseException:
         cache.unlock(m.node)
+        raise
+    release_sequence(cache, allocator, seq, slots, m.length, m.node, namespace)
     return m.length
