@@ -88,12 +88,11 @@ class LLM:
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         mc = self.model.config
-        ps = cfg.kv_page_size
-        probe = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=ps, page_size=ps,
-                       dtype=getattr(torch, cfg.dtype))
-        tokens = cfg.kv_cache_tokens or default_kv_tokens(probe.bytes_per_slot)
+        ps, dtype = cfg.kv_page_size, getattr(torch, cfg.dtype)
+        tokens = cfg.kv_cache_tokens or default_kv_tokens(
+            KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype))
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=ps,
-                           dtype=getattr(torch, cfg.dtype), device=cfg.device)
+                           dtype=dtype, device=cfg.device)
         self.allocator = SlotAllocator(self.pool.num_slots, ps)
         self.cache = {"radix": lambda: RadixCache(cfg.page_size, cfg.eviction_policy),
                       "hash": lambda: HashBlockCache(cfg.block_size, eviction_policy=cfg.eviction_policy),
@@ -197,8 +196,9 @@ class LLM:
             if self._reserve(s, n, batch):
                 batch.append((s, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
-            s = self._pick_waiting()
+        for s in self._admission_order():
+            if budget <= 0 or len(self.running) >= cfg.max_running:
+                break
             m = match_for_prefill(self.cache, s.prompt, s.namespace)
             self.cache.lock(m.node)
             s.node, s.slots, s.cached, s.computed, s.hit = m.node, m.indices, m.length, m.length, m.length
@@ -215,10 +215,13 @@ class LLM:
             budget -= n
         return batch
 
-    def _pick_waiting(self) -> _Seq:
+    def _admission_order(self) -> list[_Seq]:
+        """The waiting requests in policy order, ranked once per step (each is matched again when admitted)."""
+        if not self.waiting:
+            return []
         cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
                            if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
-        return self.policy.order(cands)[0].request
+        return [c.request for c in self.policy.order(cands)]
 
     def _allocate(self, s: _Seq, n: int) -> bool:
         """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.

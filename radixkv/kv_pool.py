@@ -40,7 +40,7 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         if num_slots is None:
-            num_slots = int(max_bytes) // self.bytes_per_slot
+            num_slots = int(max_bytes) // self.slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
         self.num_pages = int(num_slots) // page_size
         if self.num_pages < 1:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
@@ -56,8 +56,12 @@ class KVPool:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one token's K and V take over all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.slot_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @staticmethod
+    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over all layers, without building a pool."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | np.ndarray) -> None:
         """Write new tokens' K and V into their slots.
