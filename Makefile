@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # torch is pinned to the local CPU wheel: an unpinned torch pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench gpu-check clean
+.PHONY: install demo test lint bench bench-engine figures gpu-check clean
 
 install:
 	$(PIP) install -q "$(TORCH_SPEC)"
@@ -18,13 +18,18 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check radixkv experiments tests
+	# the unit tests, then every notebook executed headless (nbmake)
 	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --nbmake notebooks
 
 lint:
 	$(PYTHON) -m ruff check radixkv experiments tests
 
 bench:
 	$(PYTHON) -m experiments.bench_tree
+
+bench-engine:
+	$(PYTHON) -m experiments.bench_engine
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -1,77 +1,152 @@
 """The main job: multi-turn chat served by none / hash / radix prefix caching on a real model.
 
 ``python -m experiments.multiturn`` (defaults: SmolLM2-135M in bfloat16 on the
-CPU, 2 threads). A shared system prompt, several sessions, several turns;
-each turn's prompt is the whole history, previous answers included, plus new
-user tokens; turn k of every session is served together. The same workload
-and KV budget go through every cache. Prints a table per cache, the ratios
-against ``none``, writes ``results/multiturn-<timestamp>.jsonl`` (one row per
-request, each with the full config) and a PNG of TTFT by turn index.
+CPU, 2 threads, the workload the peers were measured on: a 500-token shared
+system prompt, 8 sessions x 4 turns, 150 new user tokens and 32 generated
+tokens per turn, greedy, EOS ignored). Each turn's prompt is the whole
+history, previous answers included; turn k of every session is served
+together. The same workload and KV budget go through every cache. Prints a
+table per cache and the ratios against ``none``, writes
+``results/multiturn-<timestamp>.jsonl`` (one row per request, each with the
+full config) and a PNG of TTFT by turn index.
+
+* ``--preset`` picks another workload shape (flags still override it).
+* ``--simulate`` runs the same workload through ``radixkv.sim`` instead of the
+  model (any scale, seconds), with ``--cost-model`` a calibrated cost model.
+* ``--calibrate`` runs the model, fits the simulator's ``CostModel`` to the
+  measured steps, simulates the same workload with it and prints predicted
+  next to measured TTFT; the fitted model is saved as ``<out>-costmodel.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
-from radixkv import LLM, SamplingParams  # noqa: E402
-from radixkv.workloads import TokenSource  # noqa: E402
+from radixkv.sim import CostModel, simulate  # noqa: E402
+from radixkv.workloads import Request, TokenSource  # noqa: E402
+from radixkv.workloads.request import number  # noqa: E402
+
+PRESETS: dict[str, dict] = {
+    # What vLLM-CPU and transformers were measured on (docs/experiments.md): the default.
+    "peers": dict(sessions=8, turns=4, system_tokens=500, user_tokens=150, max_new_tokens=32),
+    # A long shared instruction block (agents, RAG templates): sharing dominated by the system prompt.
+    "long-system": dict(sessions=8, turns=3, system_tokens=2000, user_tokens=100, max_new_tokens=32),
+    # Fewer, longer conversations: sharing dominated by each session's own history.
+    "deep-chat": dict(sessions=4, turns=8, system_tokens=200, user_tokens=100, max_new_tokens=64),
+    # Many concurrent sessions: decode batches of 32.
+    "wide": dict(sessions=32, turns=3, system_tokens=500, user_tokens=100, max_new_tokens=16),
+}
+VOCAB = {"smollm2-135m": 49152, "tiny-random": 512}
 
 
-def run_cache(cache: str, args, system: np.ndarray, user_turns: list[list[np.ndarray]]) -> tuple[list[dict], float]:
-    """Serve every turn of every session through one engine; rows per request and wall seconds."""
-    llm = LLM(args.model, prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
-              kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
-              schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
-              dtype=args.dtype, seed=args.seed)
+def user_turns(args) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """The system prompt and every session's user messages (random token ids, seeded)."""
+    src = TokenSource(args.seed, vocab_size=VOCAB.get(args.model, 512))
+    system = src.span(args.system_tokens)
+    return system, [[src.span(args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
+
+
+def engine_kwargs(cache: str, args) -> dict:
+    return dict(prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
+                kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
+                schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
+                dtype=args.dtype, seed=args.seed)
+
+
+def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict], float, object]:
+    """Serve every turn of every session through one engine: rows per request, wall seconds, the engine."""
+    from radixkv import LLM, SamplingParams
+
+    system, users = user_turns(args)
+    llm = LLM(args.model, record_steps=record_steps, **engine_kwargs(cache, args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     history = [list(system) for _ in range(args.sessions)]
     rows = []
     t0 = time.perf_counter()
     for turn in range(args.turns):
-        prompts = [history[s] + user_turns[s][turn].tolist() for s in range(args.sessions)]
+        prompts = [history[s] + users[s][turn].tolist() for s in range(args.sessions)]
         outs = llm.generate(prompts, params)
         for s, out in enumerate(outs):
             history[s] = prompts[s] + out.token_ids
-            rows.append({"cache": cache, "session": s, "turn": turn, "prompt_tokens": out.num_prompt_tokens,
-                         "cached_tokens": out.num_cached_tokens, "generated": len(out.token_ids),
-                         "ttft": out.ttft, "latency": out.latency})
+            rows.append({"cache": cache, "source": "measured", "session": s, "turn": turn,
+                         "prompt_tokens": out.num_prompt_tokens, "cached_tokens": out.num_cached_tokens,
+                         "generated": len(out.token_ids), "ttft": out.ttft, "latency": out.latency})
     wall = time.perf_counter() - t0
     stats = llm.stats()
     for r in rows:
         r.update(engine_stats=stats, config=llm.config.to_dict())
-    return rows, wall
+    return rows, wall, llm
+
+
+def sim_requests(args) -> list[Request]:
+    """The same workload as ``Request``s for the simulator: turn t+1 extends turn t's prompt and answer."""
+    system, users = user_turns(args)
+    answers = TokenSource(args.seed + 1, vocab_size=VOCAB.get(args.model, 512))
+    requests: list[Request] = []
+    for s in range(args.sessions):
+        history, parent = system, None
+        for t in range(args.turns):
+            prompt = np.concatenate([history, users[s][t]])
+            output = answers.span(args.max_new_tokens)
+            requests.append(Request(arrival=t * 1e-9, session=s, prompt=prompt, output_len=len(output),
+                                    output=output, parent=parent, meta={"turn": t}))
+            parent, history = len(requests) - 1, np.concatenate([prompt, output])
+    return number(requests)  # arrival order, parents remapped
+
+
+def simulate_cache(cache: str, args, cost: CostModel) -> tuple[list[dict], float]:
+    """The workload through the simulator: rows in ``run_cache``'s schema and the simulated makespan."""
+    res = simulate(sim_requests(args), cache, capacity_tokens=args.kv_cache_tokens, page_size=args.page_size,
+                   block_size=args.block_size, eviction_policy=args.eviction_policy,
+                   schedule_policy=args.schedule_policy, cost_model=cost, seed=args.seed,
+                   in_batch_sharing=32 if cache != "none" else None)
+    rows = [{"cache": cache, "source": "simulated", "session": r["session"], "turn": r["turn"],
+             "prompt_tokens": r["prompt_len"], "cached_tokens": r["hit"], "generated": r["output_len"],
+             "ttft": r["ttft"], "latency": r["latency"], "config": res.config} for r in res.per_request]
+    return rows, res.makespan
 
 
 def summarize(cache: str, rows: list[dict], wall: float) -> dict:
     sel = [r for r in rows if r["cache"] == cache]
     prompt = sum(r["prompt_tokens"] for r in sel)
     cached = sum(r["cached_tokens"] for r in sel)
-    out = {"cache": cache, "end_to_end_s": wall, "hit_rate": cached / prompt, "prefill_tokens": prompt - cached,
-           "throughput_tok_s": sum(r["generated"] for r in sel) / wall}
+    out = {"cache": cache, "source": sel[0]["source"], "end_to_end_s": wall, "hit_rate": cached / prompt,
+           "prefill_tokens": prompt - cached, "throughput_tok_s": sum(r["generated"] for r in sel) / wall}
     for t in sorted({r["turn"] for r in sel}):
         ttft = np.array([r["ttft"] for r in sel if r["turn"] == t])
         out[f"ttft_mean_t{t + 1}"] = float(ttft.mean())
         out[f"cached_per_req_t{t + 1}"] = float(np.mean([r["cached_tokens"] for r in sel if r["turn"] == t]))
     ttft_all = np.array([r["ttft"] for r in sel])
-    out.update(ttft_p50=float(np.median(ttft_all)), ttft_p99=float(np.percentile(ttft_all, 99)))
+    out.update(ttft_mean=float(ttft_all.mean()), ttft_p50=float(np.median(ttft_all)),
+               ttft_p99=float(np.percentile(ttft_all, 99)),
+               ttft_mean_later=float(np.mean([r["ttft"] for r in sel if r["turn"] >= 1] or [np.nan])))
+    if "engine_stats" in sel[0]:
+        out["overhead_share"] = sel[0]["engine_stats"]["overhead_share"]
     return out
 
 
 def plot(rows: list[dict], caches: list[str]):
     fig, ax = plt.subplots(figsize=(6, 4))
-    for cache in caches:
-        turns = sorted({r["turn"] for r in rows if r["cache"] == cache})
-        ax.plot([t + 1 for t in turns], [np.mean([r["ttft"] for r in rows if r["cache"] == cache and r["turn"] == t])
-                                          for t in turns], marker="o", label=cache)
+    for source, style in (("measured", "-"), ("simulated", "--")):
+        for i, cache in enumerate(caches):
+            sel = [r for r in rows if r["cache"] == cache and r["source"] == source]
+            if not sel:
+                continue
+            turns = sorted({r["turn"] for r in sel})
+            ax.plot([t + 1 for t in turns], [np.mean([r["ttft"] for r in sel if r["turn"] == t]) for t in turns],
+                    style, marker="o", color=f"C{i}", label=f"{cache} ({source})")
     ax.set_xlabel("turn")
     ax.set_ylabel("mean TTFT (s)")
     ax.set_title("Time to first token by turn index")
@@ -79,15 +154,20 @@ def plot(rows: list[dict], caches: list[str]):
     return fig
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="peers", choices=sorted(PRESETS))
+    preset = pre.parse_known_args(argv)[0].preset
     p = parser(__doc__.splitlines()[0], "results/multiturn")
+    p.add_argument("--preset", default="peers", choices=sorted(PRESETS),
+                   help="workload shape; the flags below override it")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--caches", default="none,hash,radix")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=500)
-    p.add_argument("--user-tokens", type=int, default=150)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sessions", type=int)
+    p.add_argument("--turns", type=int)
+    p.add_argument("--system-tokens", type=int)
+    p.add_argument("--user-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
@@ -96,29 +176,59 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--simulate", action="store_true", help="the simulator instead of the model")
+    p.add_argument("--cost-model", help="with --simulate: a JSON CostModel (from --calibrate)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the simulator's cost model to this run and print predicted next to measured TTFT")
+    p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    vocab = 49152 if args.model == "smollm2-135m" else 512
-    src = TokenSource(args.seed, vocab_size=vocab)
-    system = src.span(args.system_tokens)
-    user_turns = [[src.span(args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
+    if args.simulate and args.calibrate:
+        p.error("--simulate and --calibrate exclude each other (--calibrate runs the model and then simulates)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     caches = args.caches.split(",")
-    rows, summary = [], []
-    for cache in tqdm(caches, desc="caches"):
-        cache_rows, wall = run_cache(cache, args, system, user_turns)
-        rows += cache_rows
-        summary.append(summarize(cache, cache_rows, wall))
-    base = next((s for s in summary if s["cache"] == "none"), None)
+    rows, summary, records = [], [], []
+    if args.simulate:
+        cost = CostModel(**json.loads(Path(args.cost_model).read_text())) if args.cost_model else CostModel()
+        for cache in tqdm(caches, desc="caches (simulated)"):
+            cache_rows, makespan = simulate_cache(cache, args, cost)
+            rows += cache_rows
+            summary.append(summarize(cache, cache_rows, makespan))
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for cache in tqdm(caches, desc="caches"):
+            cache_rows, wall, llm = run_cache(cache, args, record_steps=args.calibrate)
+            rows += cache_rows
+            records += llm.step_log
+            summary.append(summarize(cache, cache_rows, wall))
+    if args.calibrate:
+        cost = CostModel.fit(records)
+        for cache in caches:
+            cache_rows, makespan = simulate_cache(cache, args, cost)
+            rows += cache_rows
+            summary.append(summarize(cache, cache_rows, makespan))
+    base = {s["source"]: s for s in summary if s["cache"] == "none"}
     for s in summary:
-        if base:
-            s["speedup_vs_none"] = base["end_to_end_s"] / s["end_to_end_s"]
+        if s["source"] in base:
+            b = base[s["source"]]
+            s["speedup_vs_none"] = b["end_to_end_s"] / s["end_to_end_s"]
+            s["ttft_later_vs_none"] = s["ttft_mean_later"] / b["ttft_mean_later"]
     turns = range(1, args.turns + 1)
-    cols = ["cache", "end_to_end_s", "hit_rate", "prefill_tokens", "throughput_tok_s", "ttft_p50", "ttft_p99",
-            *[f"ttft_mean_t{t}" for t in turns], *[f"cached_per_req_t{t}" for t in turns]]
-    if base:
-        cols.append("speedup_vs_none")
-    print(table(summary, cols, {c: ".2f" for c in cols if c not in ("cache", "prefill_tokens")}))
+    cols = ["cache", "source", "end_to_end_s", "hit_rate", "prefill_tokens", "throughput_tok_s", "ttft_p50",
+            "ttft_p99", *[f"ttft_mean_t{t}" for t in turns], *[f"cached_per_req_t{t}" for t in turns]]
+    cols += [c for c in ("overhead_share", "speedup_vs_none", "ttft_later_vs_none") if any(c in s for s in summary)]
+    print(table(summary, cols, {c: ".2f" for c in cols if c not in ("cache", "source", "prefill_tokens")}))
     out = args.out if args.out != "results/multiturn" else f"results/multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.calibrate:
+        path = Path(f"{out}-costmodel.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: float(v) for k, v in asdict(cost).items()}, indent=2))
+        print("fitted cost model:", {k: f"{v:.3g}" for k, v in asdict(cost).items()}, "->", path)
     for r in rows:
         r.update(args=vars(args), env=environment())
     print("wrote", write_rows(out, rows + [{"summary": summary, "args": vars(args)}]),

@@ -8,7 +8,7 @@ from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 
 PREFIX_CACHES = ("radix", "hash", "none")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -18,6 +18,12 @@ class EngineConfig:
 
     ``kv_cache_tokens=None`` sizes the KV pool from free memory: a quarter of
     the memory available now, capped at 2**20 tokens (see ``LLM``).
+    ``in_batch_sharing`` is SGLang's in-batch prefix caching threshold: of
+    waiting requests sharing an uncached prefix of at least that many tokens,
+    one is admitted first and the rest follow once its prefill is cached
+    (0 disables it; it never applies without a prefix cache).
+    ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
+    (what was computed, the model's seconds): calibration data for the simulator.
     """
 
     model: str = "smollm2-135m"
@@ -27,6 +33,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     eviction_policy: str = "lru"
     schedule_policy: str = "lpm"
+    in_batch_sharing: int = 32
     max_batch_tokens: int = 4096
     chunked_prefill_size: int = 1024
     max_running: int = 64
@@ -34,6 +41,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    record_steps: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -46,6 +54,7 @@ class EngineConfig:
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens must be >= 1 or None"),
             (self.max_batch_tokens >= 1 and self.chunked_prefill_size >= 1, "token budgets must be >= 1"),
             (self.max_running >= 1, "max_running must be >= 1"),
+            (self.in_batch_sharing >= 0, "in_batch_sharing must be >= 0 (0 disables it)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -29,7 +29,7 @@ from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
-from radixkv.model.step import run_step
+from radixkv.model.step import StepRecord, prepare_step
 from radixkv.scheduling import Candidate, make_policy
 
 ROLES = ("system", "user", "assistant")
@@ -98,12 +98,14 @@ class LLM:
                       "hash": lambda: HashBlockCache(cfg.block_size, eviction_policy=cfg.eviction_policy),
                       "none": NoPrefixCache}[cfg.prefix_cache]()
         self.backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads)
-        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed)
+        sharing = cfg.in_batch_sharing if cfg.prefix_cache != "none" else 0
+        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing)
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self._next_id = 0
         self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                       "evicted_tokens": 0, "preemptions": 0, "steps": 0}
+                       "evicted_tokens": 0, "preemptions": 0, "steps": 0, "step_s": 0.0, "model_s": 0.0}
+        self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -121,7 +123,7 @@ class LLM:
         if need > mc.max_position_embeddings:
             raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
                              f"context of {mc.max_position_embeddings} tokens")
-        if need > self.allocator.capacity:
+        if need - 1 > self.allocator.capacity:  # the last generated token's KV is never computed
             raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) cannot fit in the "
                              f"KV pool of {self.allocator.capacity} tokens even alone")
         rid = self._next_id
@@ -135,11 +137,18 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run the model once, and return the requests that finished."""
+        t0 = time.perf_counter()
         batch = self._schedule()
         if not batch:
             return []
-        logits = self._forward(batch)
-        return self._postprocess(batch, logits)
+        logits, ab, model_s = self._forward(batch)
+        finished = self._postprocess(batch, logits)
+        seconds = time.perf_counter() - t0
+        self._stats["step_s"] += seconds
+        self._stats["model_s"] += model_s
+        if self.config.record_steps:
+            self.step_log.append(StepRecord.of(ab, seconds, model_s))
+        return finished
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -172,9 +181,15 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def stats(self) -> dict:
-        """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions."""
+        """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions, and time.
+
+        ``step_s`` is the time spent in ``step()``, ``model_s`` the part of it in
+        the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
+        engine's own share (scheduling, cache, metadata, attention planning, sampling).
+        """
         s = dict(self._stats)
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+        s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
 
     def check_idle(self) -> None:
@@ -261,12 +276,16 @@ class LLM:
         self._stats["preemptions"] += 1
 
     # ------------------------------------------------------------------ running
-    def _forward(self, batch: list[tuple[_Seq, int]]) -> torch.Tensor:
+    def _forward(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, AttentionBatch, float]:
+        """Run the model on the batch: logits of each request's last new token, the batch, the model's seconds."""
         toks = [s.tokens[s.computed : s.computed + n] for s, n in batch]
         ab = AttentionBatch([s.computed for s, _ in batch], [n for _, n in batch],
                             [s.slots[: s.computed + n] for s, n in batch])
         self._stats["steps"] += 1
-        return run_step(self.model, self.pool, self.backend, toks, ab)
+        x = prepare_step(self.pool, self.backend, toks, ab)
+        t0 = time.perf_counter()
+        logits = self.model(x.ids, x.positions, x.out_slots, self.pool, self.backend, qo_indptr=x.qo_indptr)
+        return logits, ab, time.perf_counter() - t0
 
     def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor) -> list[RequestOutput]:
         finished, sampling = [], []

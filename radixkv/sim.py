@@ -72,6 +72,39 @@ class CostModel:
     def decode_time(self, batch: int) -> float:
         return self.decode_step + self.decode_per_seq * batch if batch else 0.0
 
+    def step_time(self, prefill_tokens: int, attention_pairs: float, decodes: int) -> float:
+        """One step's seconds: its prefill chunks' tokens and pairs, its decode batch, the fixed overhead."""
+        return (self.step_overhead + self.prefill_per_token * prefill_tokens
+                + self.attention_per_pair * attention_pairs + self.decode_time(decodes))
+
+    @classmethod
+    def fit(cls, records: Sequence[Any]) -> CostModel:
+        """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``).
+
+        Each record has ``prefill_tokens``, ``attention_pairs``, ``decodes`` and
+        ``seconds``. Constants are kept non-negative: a negative one is fixed
+        at zero and the others refit (an active-set loop over five columns).
+        """
+        if len(records) < 5:
+            raise ValueError(f"need at least 5 measured steps to fit 5 constants, got {len(records)}")
+        x = np.array([[r.prefill_tokens, r.attention_pairs, r.decodes > 0, r.decodes, 1.0] for r in records],
+                     dtype=np.float64)
+        y = np.array([r.seconds for r in records], dtype=np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
+        active = list(range(x.shape[1]))
+        coef = np.zeros(x.shape[1])
+        while active:
+            sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+            coef[:] = 0.0
+            coef[active] = sol / scale[active]
+            negative = [c for c in active if coef[c] < 0]
+            if not negative:
+                break
+            active.remove(min(negative, key=lambda c: coef[c] * scale[c]))
+        c = [float(v) for v in coef]
+        return cls(prefill_per_token=c[0], attention_per_pair=c[1], decode_step=c[2], decode_per_seq=c[3],
+                   step_overhead=c[4])
+
 
 @dataclass
 class SimResult:

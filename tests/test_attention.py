@@ -98,3 +98,55 @@ def test_make_backend_choices():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             make_backend("flashinfer", pool, 4)
+
+
+def shared_prefix_decodes(shared: int, own: list[int], dtype=torch.float32, mixed_prefill: bool = False):
+    """Decodes whose slot lists start with the same ``shared`` slots, plus an optional prefill row."""
+    g = torch.Generator().manual_seed(1)
+    total = shared + sum(own) + 64
+    pool = KVPool(1, 2, 16, num_slots=total, dtype=dtype)
+    pool.store(0, torch.randn(total, 2, 16, generator=g).to(dtype), torch.randn(total, 2, 16, generator=g).to(dtype),
+               np.arange(total))
+    base, slots, start = np.arange(shared), [], shared
+    for n in own:
+        slots.append(np.concatenate([base, np.arange(start, start + n)]))
+        start += n
+    prefix, new = [len(s) - 1 for s in slots], [1] * len(slots)
+    if mixed_prefill:
+        slots.append(np.concatenate([base[:10], np.arange(start, start + 6)]))
+        prefix.append(10)
+        new.append(6)
+    q = torch.randn(sum(new), 4, 16, generator=g).to(dtype)
+    return pool, AttentionBatch(prefix, new, slots), q
+
+
+@pytest.mark.parametrize("shared,own", [(80, [1, 5, 30]), (200, [3, 3]), (70, [1, 1, 1, 1]), (10, [4, 9])])
+@pytest.mark.parametrize("mixed_prefill", [False, True])
+def test_shared_prefix_decode_equals_reference(shared, own, mixed_prefill):
+    """Two-level decode (shared prefix read once, then each request's own slots) is exact in float32."""
+    from radixkv.attention import SharedPrefixTorchBackend
+
+    pool, batch, q = shared_prefix_decodes(shared, own, mixed_prefill=mixed_prefill)
+    ref, cascade = TorchReferenceBackend(pool, 4), SharedPrefixTorchBackend(pool, 4)
+    ref.plan(batch)
+    cascade.plan(batch)
+    assert (cascade._shared is not None) == (shared >= cascade.min_shared)
+    torch.testing.assert_close(cascade.run(q, 0), ref.run(q, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_decode_bfloat16_close_to_reference():
+    from radixkv.attention import SharedPrefixTorchBackend
+
+    pool, batch, q = shared_prefix_decodes(300, [7, 40, 2], dtype=torch.bfloat16)
+    ref, cascade = TorchReferenceBackend(pool, 4), SharedPrefixTorchBackend(pool, 4)
+    ref.plan(batch)
+    cascade.plan(batch)
+    torch.testing.assert_close(cascade.run(q, 0).float(), ref.run(q, 0).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_shared_slot_prefix_leaves_every_request_a_slot_of_its_own():
+    from radixkv.attention.shared_prefix import shared_slot_prefix
+
+    assert shared_slot_prefix([np.arange(5), np.arange(5)]) == 4
+    assert shared_slot_prefix([np.arange(5), np.array([0, 1, 7, 8])]) == 2
+    assert shared_slot_prefix([np.array([3]), np.array([3, 4])]) == 0

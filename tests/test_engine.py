@@ -108,3 +108,39 @@ def test_chat_on_smollm2_and_unknown_role():
                      SamplingParams(max_new_tokens=2))[0]
     assert again.num_cached_tokens > 0
     llm.check_idle()
+
+
+def test_eviction_under_a_small_budget_keeps_outputs(reference):
+    """Served one after another in 130 slots, later prompts must evict earlier cached ones (not preempt)."""
+    llm = engine("radix", 1, 1024, 130)
+    outs = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    assert outs == reference
+    stats = llm.stats()
+    assert stats["evicted_tokens"] > 0 and stats["preemptions"] == 0
+    llm.check_idle()
+
+
+@pytest.mark.parametrize("cache,sharing,expected", [("radix", 32, 3 * 64), ("radix", 0, 0), ("hash", 32, 3 * 64),
+                                                     ("none", 32, 0)])
+def test_in_batch_prefix_sharing(cache, sharing, expected):
+    """Of four prompts sent together with a 64-token common prefix, one computes it and three hit it."""
+    prompts = [list(range(100, 164)) + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    llm = engine(cache, page=1, in_batch_sharing=sharing)
+    outs = llm.generate(prompts, GREEDY)
+    assert sum(o.num_cached_tokens for o in outs) == expected
+    assert llm.stats()["cached_tokens"] == expected
+    llm.check_idle()
+
+
+def test_step_records_fit_the_simulator_cost_model():
+    from radixkv.sim import CostModel
+
+    llm = engine("radix", record_steps=True)
+    llm.generate(PROMPTS, GREEDY)
+    log = llm.step_log
+    assert len(log) == llm.stats()["steps"]
+    assert sum(r.prefill_tokens for r in log) == llm.stats()["prefill_tokens"]
+    assert all(r.seconds >= r.model_seconds > 0 for r in log)
+    cost = CostModel.fit(log)
+    assert all(v >= 0 for v in vars(cost).values())
+    assert 0 <= llm.stats()["overhead_share"] < 1

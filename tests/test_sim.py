@@ -262,3 +262,23 @@ def test_zero_cost_model_does_not_divide_by_zero():
     reqs = workloads.make("multi_turn", seed=10, **SMALL["multi_turn"])
     free = CostModel(prefill_per_token=0, attention_per_pair=0, decode_step=0, decode_per_seq=0, step_overhead=0)
     assert simulate(reqs, cost_model=free).makespan == pytest.approx(0.0, abs=1e-6)
+
+
+def test_cost_model_fit_recovers_known_constants():
+    from radixkv.model.step import StepRecord
+    from radixkv.sim import CostModel
+
+    true = CostModel(prefill_per_token=4e-4, attention_per_pair=3e-8, decode_step=0.02, decode_per_seq=0.003,
+                     step_overhead=0.001)
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(60):
+        tokens = int(rng.integers(1, 1500)) if i % 3 == 0 else 0
+        decodes = int(rng.integers(1 if tokens == 0 else 0, 9))
+        pairs = tokens * (400 + (tokens + 1) / 2)
+        records.append(StepRecord(tokens, pairs, decodes, true.step_time(tokens, pairs, decodes), 0.0))
+    fitted = CostModel.fit(records)
+    for name, value in vars(true).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-9)
+    with pytest.raises(ValueError, match="at least 5"):
+        CostModel.fit(records[:3])

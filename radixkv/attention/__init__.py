@@ -8,9 +8,10 @@ import torch
 
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.attention.reference import TorchReferenceBackend
+from radixkv.attention.shared_prefix import SharedPrefixTorchBackend
 from radixkv.kv_pool import KVPool
 
-BACKENDS = ("auto", "torch", "flashinfer")
+BACKENDS = ("auto", "torch", "torch-cascade", "flashinfer")
 
 
 def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
@@ -25,17 +26,21 @@ def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
 
 
 def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None = None) -> AttentionBackend:
-    """``torch`` (reference), ``flashinfer``, or ``auto`` (FlashInfer when CUDA and flashinfer are present)."""
+    """``torch`` (the reference), ``torch-cascade`` (the reference with shared-prefix decode), ``flashinfer``,
+    or ``auto``: FlashInfer when CUDA and flashinfer are present, else ``torch-cascade``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKENDS)}")
-    reason = flashinfer_unavailable_reason(pool) if name != "torch" else "not asked for"
+    reason = flashinfer_unavailable_reason(pool) if name in ("auto", "flashinfer") else "not asked for"
     if name == "flashinfer" and reason:
         raise RuntimeError(f"attention_backend='flashinfer' cannot run: {reason}")
     if name == "flashinfer" or (name == "auto" and reason is None):
         from radixkv.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(pool, num_qo_heads, scale)
-    return TorchReferenceBackend(pool, num_qo_heads, scale)
+    if name == "torch":
+        return TorchReferenceBackend(pool, num_qo_heads, scale)
+    return SharedPrefixTorchBackend(pool, num_qo_heads, scale)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "TorchReferenceBackend", "make_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "SharedPrefixTorchBackend", "TorchReferenceBackend",
+           "make_backend"]

@@ -63,16 +63,16 @@ class TorchReferenceBackend:
             self._plan.append((start, n, idx, mask, p == 0 and n > 1))
 
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
-        """All decodes of the step as one padded batch: slot matrix ``[B, Lmax]`` and mask ``[B, 1, 1, Lmax]``."""
+        """All decodes of the step as one padded batch: flat slots ``[B * Lmax]`` and mask ``[1, B, 1, Lmax]``."""
         dev = self.pool.device
         lens = [len(batch.slots[r]) for r in rows]
         width = max(lens)
-        idx = np.zeros((len(rows), width), dtype=np.int64)  # padding reads slot 0, masked out
+        idx = np.zeros((len(rows), width), dtype=np.int64)  # padding reads slot 0, masked out; flattened
         for i, r in enumerate(rows):
             idx[i, : lens[i]] = batch.slots[r]
         valid = torch.arange(width, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
         q_rows = torch.as_tensor(starts[rows], dtype=torch.long, device=dev)
-        return torch.as_tensor(idx, device=dev), valid[:, None, None, :], q_rows
+        return torch.as_tensor(idx.reshape(-1), device=dev), valid[None, :, None, :], q_rows
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]
@@ -80,7 +80,10 @@ class TorchReferenceBackend:
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         for start, n, idx, mask, causal in self._plan:
             # 4-D [1, heads, tokens, head_dim] inputs: the layout SDPA's fused CPU kernels take
-            k, v = k_all[idx], v_all[idx]  # a view for a slice, a gather for an index tensor
+            if isinstance(idx, slice):
+                k, v = k_all[idx], v_all[idx]  # views, no copy
+            else:
+                k, v = torch.index_select(k_all, 0, idx), torch.index_select(v_all, 0, idx)
             k = k.to(q.dtype).transpose(0, 1)[None]  # [1, num_kv_heads, L, head_dim]
             v = v.to(q.dtype).transpose(0, 1)[None]
             qr = q[start : start + n].transpose(0, 1)[None]  # [1, num_qo_heads, n, head_dim]
@@ -88,14 +91,23 @@ class TorchReferenceBackend:
                                                scale=self.scale, enable_gqa=self.group > 1)
             out[start : start + n] = o[0].transpose(0, 1)  # o: [1, num_qo_heads, n, head_dim]
         if self._decodes is not None:  # every decode of the step in one call
-            idx, valid, rows = self._decodes
-            b, g = idx.shape[0], self.group
-            # Written out rather than SDPA: with a padding mask, CPU SDPA takes a slow path (5x in bf16).
-            k = k_all[idx].transpose(1, 2).float()  # [B, num_kv_heads, Lmax, head_dim]
-            v = v_all[idx].transpose(1, 2).float()
-            qd = q[rows].float().view(b, -1, g, q.shape[-1])  # [B, num_kv_heads, group, head_dim]
-            scores = torch.matmul(qd, k.transpose(-1, -2)) * self.scale  # [B, num_kv_heads, group, Lmax]
-            scores = scores.masked_fill(~valid, float("-inf"))
-            o = torch.matmul(scores.softmax(-1), v)  # [B, num_kv_heads, group, head_dim]
-            out[rows] = o.reshape(b, -1, q.shape[-1]).to(q.dtype)
+            self._run_decodes(q, layer, out)
         return out
+
+    def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
+        """The planned decodes as one padded batch, written into their rows of ``out``."""
+        k_all, v_all = self.pool.k[layer], self.pool.v[layer]
+        idx, valid, rows = self._decodes
+        b, width, h, g, d = valid.shape[1], valid.shape[-1], k_all.shape[1], self.group, q.shape[-1]
+        # Written out rather than SDPA: with a padding mask, CPU SDPA takes a slow path (5x in bf16).
+        # index_select on the flat slot list is several times faster than advanced indexing, and
+        # head-major copies [Hkv * B, Lmax, D] make both products plain bmm calls without hidden copies.
+        # The products run in the pool's dtype (as transformers' eager attention does), softmax in float32.
+        k = torch.index_select(k_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+        v = torch.index_select(v_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+        qd = q[rows].to(k.dtype).view(b, h, g, d).transpose(0, 1).reshape(h * b, g, d)  # [Hkv * B, group, D]
+        scores = torch.bmm(qd, k.transpose(1, 2)).float() * self.scale  # [Hkv * B, group, Lmax]
+        scores.view(h, b, g, width).masked_fill_(~valid, float("-inf"))
+        o = torch.bmm(scores.softmax(-1).to(v.dtype), v)  # [Hkv * B, group, head_dim]
+        o = o.view(h, b, g, d).transpose(0, 1)  # [B, Hkv, group, head_dim]
+        out[rows] = o.reshape(b, -1, d).to(q.dtype)

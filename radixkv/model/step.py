@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,22 +13,67 @@ from radixkv.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
 
 
-def run_step(model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
-             new_tokens: Sequence[Sequence[int]], batch: AttentionBatch, all_logits: bool = False) -> torch.Tensor:
-    """Forward the new tokens of every request of ``batch``; logits of each request's last token.
+@dataclass(frozen=True)
+class StepInputs:
+    """The model's flat inputs for one step (all int64, on the pool's device).
+
+    ids, positions, out_slots: ``[num_tokens]``; qo_indptr: ``[batch + 1]``.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    qo_indptr: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step computed and how long it took: the simulator's calibration data.
+
+    ``attention_pairs`` counts (new token, attended token) pairs of the
+    prefill chunks, ``n * (p + (n + 1) / 2)`` for n new tokens after p.
+    ``seconds`` is the whole step, ``model_seconds`` its model forward.
+    """
+
+    prefill_tokens: int
+    attention_pairs: float
+    decodes: int
+    seconds: float
+    model_seconds: float
+
+    @classmethod
+    def of(cls, batch: AttentionBatch, seconds: float, model_seconds: float) -> StepRecord:
+        chunks = [(p, n) for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True) if n > 1 or p == 0]
+        return cls(prefill_tokens=sum(n for _, n in chunks),
+                   attention_pairs=float(sum(n * (p + (n + 1) / 2) for p, n in chunks)),
+                   decodes=len(batch.new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds)
+
+
+def prepare_step(pool: KVPool, backend: AttentionBackend, new_tokens: Sequence[Sequence[int]],
+                 batch: AttentionBatch) -> StepInputs:
+    """Flatten the step's tokens, positions and output slots, and ``plan`` the backend for ``batch``.
 
     ``new_tokens[r]`` are request r's ``batch.new_lens[r]`` tokens, at positions
     ``prefix_lens[r] ..``, written to the last ``new_lens[r]`` of its slots.
-    Returns ``[batch, vocab]`` (``[num_tokens, vocab]`` with ``all_logits``).
     """
     dev = pool.device
     ids = torch.as_tensor(np.concatenate([np.asarray(t, dtype=np.int64) for t in new_tokens]), device=dev)
+    if len(ids) != batch.num_tokens:
+        raise ValueError(f"{len(ids)} new tokens given for a batch of {batch.num_tokens}")
     positions = torch.as_tensor(np.concatenate([np.arange(p, p + n) for p, n in zip(batch.prefix_lens,
                                 batch.new_lens, strict=True)]), dtype=torch.long, device=dev)
     out_slots = torch.as_tensor(np.concatenate([np.asarray(s)[p:] for s, p in zip(batch.slots, batch.prefix_lens,
                                 strict=True)]), dtype=torch.long, device=dev)
-    if len(ids) != batch.num_tokens:
-        raise ValueError(f"{len(ids)} new tokens given for a batch of {batch.num_tokens}")
     backend.plan(batch)
-    qo = None if all_logits else torch.as_tensor(batch.qo_indptr, dtype=torch.long, device=dev)
-    return model(ids, positions, out_slots, pool, backend, qo_indptr=qo)
+    qo = torch.as_tensor(batch.qo_indptr, dtype=torch.long, device=dev)
+    return StepInputs(ids, positions, out_slots, qo)
+
+
+def run_step(model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
+             new_tokens: Sequence[Sequence[int]], batch: AttentionBatch, all_logits: bool = False) -> torch.Tensor:
+    """Forward the new tokens of every request of ``batch``; logits of each request's last token.
+
+    Returns ``[batch, vocab]`` (``[num_tokens, vocab]`` with ``all_logits``).
+    """
+    x = prepare_step(pool, backend, new_tokens, batch)
+    return model(x.ids, x.positions, x.out_slots, pool, backend, qo_indptr=None if all_logits else x.qo_indptr)

@@ -1,0 +1,88 @@
+"""Decode attention that reads a prefix shared by the whole decode batch once (cascade attention).
+
+When every decoding request of a step starts with the same KV slots (a
+shared system prompt cached in the radix tree), the reference backend still
+gathers and reads those slots once per request. Decode attention on a CPU is
+bound by memory traffic, so this backend splits it in two levels, as
+FlashInfer's cascade attention does:
+
+* the shared prefix ``[S]``: every request's queries against one copy of its
+  K/V, one ``bmm`` for the whole batch;
+* each request's own remainder ``[R_b]``: the reference backend's padded batch.
+
+The two partial softmaxes are merged exactly (common running maximum, summed
+normalizers), so the result equals attention over the concatenation up to
+rounding. Prefills are the reference backend's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixkv.attention.base import AttentionBatch
+from radixkv.attention.reference import TorchReferenceBackend
+from radixkv.kv_pool import KVPool
+
+
+def shared_slot_prefix(slots: list[np.ndarray]) -> int:
+    """Length of the longest slot prefix common to every array, leaving each at least one slot of its own."""
+    n = min(len(s) for s in slots) - 1
+    if n <= 0:
+        return 0
+    head = np.stack([s[:n] for s in slots])  # [B, n]
+    differs = (head != head[0]).any(axis=0)
+    return int(np.argmax(differs)) if differs.any() else n
+
+
+class SharedPrefixTorchBackend(TorchReferenceBackend):
+    """The reference backend with two-level (shared prefix + own suffix) decode attention.
+
+    A shared prefix shorter than ``min_shared`` tokens is not worth the second
+    level; such steps run the reference decode unchanged.
+    """
+
+    name = "torch-cascade"
+
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None, min_shared: int = 64):
+        super().__init__(pool, num_qo_heads, scale)
+        self.min_shared = min_shared
+        self._shared: torch.Tensor | None = None  # [S] int64 slots of the shared prefix
+
+    def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
+        slots = [np.asarray(batch.slots[r], dtype=np.int64) for r in rows]
+        shared = shared_slot_prefix(slots)
+        if shared < self.min_shared:
+            self._shared = None
+            return super()._plan_decodes(batch, rows, starts)
+        self._shared = torch.as_tensor(slots[0][:shared], device=self.pool.device)
+        own = [s[shared:] for s in slots]
+        rest = AttentionBatch([len(s) - 1 for s in own], [1] * len(rows), own)
+        idx, valid, _ = super()._plan_decodes(rest, list(range(len(rows))), starts)
+        return idx, valid, torch.as_tensor(starts[rows], dtype=torch.long, device=self.pool.device)
+
+    def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
+        if self._shared is None:
+            return super()._run_decodes(q, layer, out)
+        k_all, v_all = self.pool.k[layer], self.pool.v[layer]
+        idx, valid, rows = self._decodes
+        b, width, h, g, d = valid.shape[1], valid.shape[-1], k_all.shape[1], self.group, q.shape[-1]
+        qd = q[rows].to(k_all.dtype).view(b, h, g, d).transpose(0, 1)  # [Hkv, B, group, D]
+        # Level 1: the shared prefix, read once for the whole batch.
+        ks = torch.index_select(k_all, 0, self._shared).transpose(0, 1)  # [Hkv, S, D]
+        vs = torch.index_select(v_all, 0, self._shared).transpose(0, 1)
+        s1 = torch.bmm(qd.reshape(h, b * g, d), ks.transpose(1, 2)).float() * self.scale  # [Hkv, B * group, S]
+        # Level 2: each request's own slots, padded to the longest.
+        k = torch.index_select(k_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+        v = torch.index_select(v_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+        s2 = torch.bmm(qd.reshape(h * b, g, d), k.transpose(1, 2)).float() * self.scale  # [Hkv * B, group, R]
+        s2.view(h, b, g, width).masked_fill_(~valid, float("-inf"))
+        s2 = s2.view(h, b * g, width)
+        # Exact merge: one running maximum, one normalizer over both levels.
+        m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))  # [Hkv, B * group, 1]
+        p1, p2 = (s1 - m).exp_(), (s2 - m).exp_()
+        norm = p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True)
+        o = torch.bmm(p1.to(vs.dtype), vs).float()  # [Hkv, B * group, D]
+        o += torch.bmm(p2.view(h * b, g, width).to(v.dtype), v).view(h, b * g, d).float()
+        o = (o / norm).view(h, b, g, d).transpose(0, 1)  # [B, Hkv, group, D]
+        out[rows] = o.reshape(b, -1, d).to(q.dtype)
