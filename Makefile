@@ -31,6 +31,13 @@ bench:
 bench-engine:
 	$(PYTHON) -m experiments.bench_engine
 
+# The paper figures that take seconds (docs/experiments.md names the long ones: mooncake, multiturn).
+figures:
+	$(PYTHON) -m experiments.fig3_tree_steps
+	$(PYTHON) -m experiments.ablation --out docs/figures/ablation
+	$(PYTHON) -m experiments.block_size --out docs/figures/block_size
+	$(PYTHON) -m experiments.figures
+
 gpu-check:
 	bash scripts/gpu_check.sh
 

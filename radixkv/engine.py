@@ -192,6 +192,11 @@ class LLM:
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
 
+    def reset_stats(self) -> None:
+        """Zero the counters and the step log (the cache keeps its contents): e.g. after a warm-up request."""
+        self._stats = {k: type(v)() for k, v in self._stats.items()}
+        self.step_log = []
+
     def check_idle(self) -> None:
         """At idle no slot is leaked and the cache's invariants hold (AssertionError otherwise)."""
         self.cache.check_invariants()

@@ -20,12 +20,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("small_prefill", [0, 256])  # chunks after a prefix: SDPA with a mask / written out
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_reference_matches_dense_causal_attention(case, page_size):
+def test_reference_matches_dense_causal_attention(case, page_size, small_prefill):
     prefix, new = CASES[case]
     pool, batch, q, dense = make_case(prefix, new, page_size)
-    backend = TorchReferenceBackend(pool, num_qo_heads=q.shape[1])
+    backend = TorchReferenceBackend(pool, num_qo_heads=q.shape[1], small_prefill=small_prefill)
     backend.plan(batch)
     out = backend.run(q, 0)
     torch.testing.assert_close(out, dense_attention(q, dense, prefix, new, group=2), atol=1e-5, rtol=1e-5)

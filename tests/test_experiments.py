@@ -33,10 +33,18 @@ def test_simulated_workload_matches_the_model_run(tmp_path):
         for t in (1, 2, 3):
             assert m[f"cached_per_req_t{t}"] == s[f"cached_per_req_t{t}"]
     radix = next(s for s in measured if s["cache"] == "radix")
+    assert radix["cached_per_req_t1"] == 40  # the warm-up cached the system prompt
     assert radix["cached_per_req_t3"] == 40 + 2 * 12 + 4 + 4 - 1  # the whole previous turn, answer included
     rows = read_rows(tmp_path / "m.jsonl")
     assert all("config" in r and "args" in r for r in rows[:-1]) and "summary" in rows[-1]
     assert (tmp_path / "m.png").exists()
+
+
+def test_cold_start_shares_the_system_prompt_within_the_first_batch(tmp_path):
+    for flag in ("", "--simulate"):
+        summary = multiturn.main([*TINY, "--no-warmup", "--caches", "radix", "--out", str(tmp_path / "w"),
+                                  *([flag] if flag else [])])
+        assert summary[0]["cached_per_req_t1"] == 40 / 2  # in-batch sharing: the second session hits the first
 
 
 def test_calibrate_fits_a_cost_model_and_reports_predictions(tmp_path):

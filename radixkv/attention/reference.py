@@ -23,20 +23,22 @@ class TorchReferenceBackend:
     ``run`` gathers that request's K/V from the pool and calls
     ``scaled_dot_product_attention`` (grouped-query heads without copies; a
     request without a prefix uses the plain causal kernel).
-    The decodes of a step (one query each) run as one padded batch with a
-    length mask, one SDPA call per layer instead of one per request.
+    The decodes of a step (one query each, even a lone one) run as one padded
+    batch with a length mask, written out as two ``bmm`` calls per layer: CPU
+    SDPA is slow for a single query row and slower still with a padding mask.
     Cost per layer: O(sum over requests of new_len * (prefix_len + new_len)).
     """
 
     name = "torch"
 
-    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None, small_prefill: int = 256):
         if num_qo_heads % pool.num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {pool.num_kv_heads}")
         self.pool, self.num_qo_heads = pool, num_qo_heads
         self.group = num_qo_heads // pool.num_kv_heads
         self.scale = scale if scale is not None else pool.head_dim**-0.5
-        self._plan: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None, bool]] = []
+        self.small_prefill = small_prefill
+        self._plan: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None, str]] = []
         self._decodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def plan(self, batch: AttentionBatch) -> None:
@@ -44,7 +46,7 @@ class TorchReferenceBackend:
         self._plan = []
         starts = batch.qo_indptr[:-1]
         decodes = [r for r, n in enumerate(batch.new_lens) if n == 1]
-        self._decodes = self._plan_decodes(batch, decodes, starts) if len(decodes) > 1 else None
+        self._decodes = self._plan_decodes(batch, decodes, starts) if decodes else None
         skip = set(decodes) if self._decodes is not None else set()
         for r, (p, n, slots) in enumerate(zip(batch.prefix_lens, batch.new_lens, batch.slots, strict=True)):
             start = int(starts[r])
@@ -57,10 +59,13 @@ class TorchReferenceBackend:
                 idx = torch.as_tensor(slots, dtype=torch.long, device=dev)  # [p + n]
             # Only a prefill after a cached prefix needs the explicit offset mask: without a prefix the
             # causal kernel applies, and a decode's single query sees every position.
-            mask = None
+            mode, mask = ("causal" if n > 1 else "full"), None
             if p and n > 1:
                 mask = torch.arange(p + n, device=dev)[None, :] <= torch.arange(n, device=dev)[:, None] + p  # [n, p+n]
-            self._plan.append((start, n, idx, mask, p == 0 and n > 1))
+                mode = "masked"
+                if n <= self.small_prefill:  # a short chunk after a long prefix: written out (see _short_chunk)
+                    mask, mode = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf")), "short"
+            self._plan.append((start, n, idx, mask, mode))
 
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
         """All decodes of the step as one padded batch: flat slots ``[B * Lmax]`` and mask ``[1, B, 1, Lmax]``."""
@@ -78,21 +83,38 @@ class TorchReferenceBackend:
         # q: [num_tokens, num_qo_heads, head_dim]
         out = torch.empty_like(q)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
-        for start, n, idx, mask, causal in self._plan:
-            # 4-D [1, heads, tokens, head_dim] inputs: the layout SDPA's fused CPU kernels take
+        for start, n, idx, mask, mode in self._plan:
             if isinstance(idx, slice):
                 k, v = k_all[idx], v_all[idx]  # views, no copy
             else:
                 k, v = torch.index_select(k_all, 0, idx), torch.index_select(v_all, 0, idx)
+            if mode == "short":
+                out[start : start + n] = self._short_chunk(q[start : start + n], k, v, mask)
+                continue
+            # 4-D [1, heads, tokens, head_dim] inputs: the layout SDPA's fused CPU kernels take
             k = k.to(q.dtype).transpose(0, 1)[None]  # [1, num_kv_heads, L, head_dim]
             v = v.to(q.dtype).transpose(0, 1)[None]
             qr = q[start : start + n].transpose(0, 1)[None]  # [1, num_qo_heads, n, head_dim]
-            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, is_causal=causal,
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, is_causal=mode == "causal",
                                                scale=self.scale, enable_gqa=self.group > 1)
             out[start : start + n] = o[0].transpose(0, 1)  # o: [1, num_qo_heads, n, head_dim]
         if self._decodes is not None:  # every decode of the step in one call
             self._run_decodes(q, layer, out)
         return out
+
+    def _short_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention of a short chunk after a prefix, as two bmm calls (2x faster than CPU SDPA with a mask).
+
+        q: ``[n, num_qo_heads, D]``; k, v: ``[L, num_kv_heads, D]``; bias: ``[n, L]`` float32, 0 or -inf.
+        A long chunk would make the ``[num_kv_heads, group * n, L]`` score tensor the bottleneck; SDPA's
+        blocked kernel wins there, hence the ``small_prefill`` threshold.
+        """
+        n, (h, d), g = q.shape[0], k.shape[1:], self.group
+        qh = q.to(k.dtype).view(n, h, g, d).permute(1, 2, 0, 3).reshape(h, g * n, d)  # [Hkv, group * n, D]
+        scores = torch.bmm(qh, k.permute(1, 2, 0)).float() * self.scale  # [Hkv, group * n, L]
+        scores.view(h, g, n, -1).add_(bias)
+        o = torch.bmm(scores.softmax(-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, group * n, D]
+        return o.view(h, g, n, d).permute(2, 0, 1, 3).reshape(n, h * g, d).to(q.dtype)
 
     def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
         """The planned decodes as one padded batch, written into their rows of ``out``."""

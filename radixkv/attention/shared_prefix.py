@@ -51,7 +51,7 @@ class SharedPrefixTorchBackend(TorchReferenceBackend):
 
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
         slots = [np.asarray(batch.slots[r], dtype=np.int64) for r in rows]
-        shared = shared_slot_prefix(slots)
+        shared = shared_slot_prefix(slots) if len(rows) > 1 else 0
         if shared < self.min_shared:
             self._shared = None
             return super()._plan_decodes(batch, rows, starts)

@@ -2,8 +2,10 @@
 
 Covers LlamaForCausalLM checkpoints (SmolLM2 is one), with Qwen2-style q/k/v
 biases and tied embeddings: RoPE (default and Llama-3 scaling), RMSNorm,
-SwiGLU, grouped-query attention. Module names mirror Hugging Face's, so a
-``transformers`` state dict loads as is.
+SwiGLU, grouped-query attention. Module names mirror Hugging Face's, except
+that q/k/v and gate/up projections are stacked into one matrix each
+(``qkv_proj``, ``gate_up_proj``: one matmul instead of three and two, which
+matters at decode batch sizes); ``load_hf_state_dict`` stacks them.
 
 The forward pass takes a flat batch: the new tokens of every request of the
 step, their positions and the KV slots they are written to; attention over
@@ -108,17 +110,17 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)  # q, k, v rows of qkv_proj
+        self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(n, self.cfg.num_heads, d)  # q: [num_tokens, num_heads, head_dim]
-        k = self.k_proj(x).view(n, self.cfg.num_kv_heads, d)  # k: [num_tokens, num_kv_heads, head_dim]
-        v = self.v_proj(x).view(n, self.cfg.num_kv_heads, d)  # v: [num_tokens, num_kv_heads, head_dim]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.reshape(n, self.cfg.num_heads, d)  # q: [num_tokens, num_heads, head_dim]
+        k = k.reshape(n, self.cfg.num_kv_heads, d)  # k: [num_tokens, num_kv_heads, head_dim]
+        v = v.reshape(n, self.cfg.num_kv_heads, d)  # v: [num_tokens, num_kv_heads, head_dim]
         q = q * cos + rotate_half(q) * sin  # cos, sin: [num_tokens, 1, head_dim]
         k = k * cos + rotate_half(k) * sin
         pool.store(self.layer, k, v, out_slots)
@@ -129,12 +131,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [num_tokens, intermediate]
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -158,6 +160,23 @@ class _Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up tensors concatenated along the output rows."""
+    out = dict(state)
+    for key in list(state):
+        for fused, parts in STACKED.items():
+            prefix, dot, leaf = key.rpartition(f".{parts[0]}.")
+            if not dot:
+                continue
+            names = [f"{prefix}.{p}.{leaf}" for p in parts]
+            if all(n in out for n in names):
+                out[f"{prefix}.{fused}.{leaf}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head; ``forward`` runs one flat engine step."""
 
@@ -171,8 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a ``transformers`` state dict (names match); a tied head may be absent."""
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        """Load a ``transformers`` state dict: q/k/v and gate/up are stacked; a tied head may be absent."""
+        state = stack_projections({k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False)
