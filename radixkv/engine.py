@@ -28,6 +28,7 @@ from radixkv.config import EngineConfig, SamplingParams
 from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
+from radixkv.model.llama import pack_linears
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
 from radixkv.scheduling import Candidate, make_policy
@@ -87,6 +88,7 @@ class LLM:
         cfg = self.config
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        pack_linears(self.model)  # 16-bit weights on a CPU: oneDNN's layout, same outputs
         mc = self.model.config
         ps, dtype = cfg.kv_page_size, getattr(torch, cfg.dtype)
         tokens = cfg.kv_cache_tokens or default_kv_tokens(

@@ -169,3 +169,24 @@ def test_llama3_rope_scaling_matches_transformers():
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                         rope_scaling=scaling, rope_theta=500000.0)
     assert _hf_parity(HFLlama(cfg)).config.rope_scaling["rope_type"] == "llama3"
+
+
+def test_packed_linears_give_the_same_logits():
+    """oneDNN-packed weights (what the engine serves 16-bit models with on a CPU) change no output."""
+    from radixkv.model.llama import PackedLinear, can_pack_linears, pack_linears
+
+    plain = load_model("tiny-random", dtype=torch.bfloat16).model
+    packed = load_model("tiny-random", dtype=torch.bfloat16).model
+    if not can_pack_linears(packed):
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    assert pack_linears(packed) == 4 * plain.config.num_layers + 1
+    assert isinstance(packed.lm_head, PackedLinear)
+    assert pack_linears(load_model("tiny-random").model) == 0  # float32 stays as is: the exact oracle
+    cfg = plain.config
+    tokens = list(range(3, 40))
+    logits = []
+    for model in (plain, packed):
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=64, dtype=torch.bfloat16)
+        logits.append(run_step(model, pool, TorchReferenceBackend(pool, cfg.num_heads), [tokens],
+                               AttentionBatch([0], [len(tokens)], [np.arange(len(tokens))]), all_logits=True))
+    torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=1e-2, rtol=1e-2)
