@@ -33,6 +33,7 @@ from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, make_backend
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
+from radixkv.model.llama import pack_linears
 from radixkv.model.step import run_step
 
 # vLLM 0.32 on CPU, SmolLM2-135M bf16, 2 threads (the engine issue, docs/experiments.md).
@@ -46,6 +47,7 @@ def ours_micro(model, context: int, repeats: int, rng) -> dict:
     """Prefill of ``context`` tokens and decode steps at batch 1 / 8 through the engine's attention backend."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
+    pack_linears(model)  # as the engine serves it
     slots_total = 9 * (context + 8) + 64
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=dtype)
     backend = make_backend("auto", pool, cfg.num_heads)
@@ -133,10 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(list(summary.values()), cols, {c: ".3g" for c in cols if c != "cache"}))
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), keep_hf=not args.no_transformers)
     rng = np.random.default_rng(args.seed)
+    hf = loaded.hf_model  # before ours_micro packs our copy of the weights
     micro = {"ours": ours_micro(loaded.model, args.context, args.repeats, rng)}
-    if loaded.hf_model is not None:
-        micro["transformers"] = transformers_micro(loaded.hf_model.to(getattr(torch, args.dtype)), args.context,
-                                                   args.repeats, rng)
+    if hf is not None:
+        micro["transformers"] = transformers_micro(hf.to(getattr(torch, args.dtype)), args.context, args.repeats, rng)
     micro["vllm_cpu_peer"] = {k: VLLM[k] for k in ("decode_ms_b1", "decode_ms_b8")} | {
         "prefill_ms_per_token": VLLM["prefill_ms_per_token_1024"]}
     print(table([{"engine": k, **v} for k, v in micro.items()],
