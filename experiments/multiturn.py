@@ -66,7 +66,7 @@ def engine_kwargs(cache: str, args) -> dict:
     return dict(prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
                 kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
                 schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
-                dtype=args.dtype, seed=args.seed)
+                in_batch_sharing=args.in_batch_sharing, dtype=args.dtype, seed=args.seed)
 
 
 def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict], float, object]:
@@ -117,11 +117,18 @@ def sim_requests(args) -> list[Request]:
 
 
 def simulate_cache(cache: str, args, cost: CostModel) -> tuple[list[dict], float]:
-    """The workload through the simulator: rows in ``run_cache``'s schema and the simulated makespan."""
+    """The workload through the simulator: rows in ``run_cache``'s schema and the simulated makespan.
+
+    Same prompts, warm-up, cache, KV budget, schedule and in-batch sharing as
+    the engine; unlike the engine, the simulator prefills an admitted request
+    whole (no chunking, no per-step token budget), reserves its whole output
+    at admission, and sends a session's next turn as soon as that session's
+    turn ends (the engine serves turn k of all sessions together).
+    """
     res = simulate(sim_requests(args), cache, capacity_tokens=args.kv_cache_tokens, page_size=args.page_size,
                    block_size=args.block_size, eviction_policy=args.eviction_policy,
                    schedule_policy=args.schedule_policy, cost_model=cost, seed=args.seed,
-                   in_batch_sharing=32 if cache != "none" else None)
+                   in_batch_sharing=args.in_batch_sharing if cache != "none" else None)
     rows = [{"cache": cache, "source": "simulated", "session": r["session"], "turn": r["turn"],
              "prompt_tokens": r["prompt_len"], "cached_tokens": r["hit"], "generated": r["output_len"],
              "ttft": r["ttft"], "latency": r["latency"], "config": res.config} for r in res.per_request
@@ -186,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eviction-policy", default="lru")
     p.add_argument("--schedule-policy", default="lpm")
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
+    p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -101,12 +101,12 @@ class LLM:
                       "none": NoPrefixCache}[cfg.prefix_cache]()
         self.backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads)
         sharing = cfg.in_batch_sharing if cfg.prefix_cache != "none" else 0
-        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing)
+        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing, page_size=ps)
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self._next_id = 0
         self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                       "evicted_tokens": 0, "preemptions": 0, "steps": 0, "step_s": 0.0, "model_s": 0.0}
+                       "evicted_tokens": 0, "evictions": 0, "preemptions": 0, "steps": 0, "step_s": 0.0, "model_s": 0.0}
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
 
     # ----------------------------------------------------------------- requests
@@ -143,13 +143,14 @@ class LLM:
         batch = self._schedule()
         if not batch:
             return []
+        prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
         logits, ab, model_s = self._forward(batch)
         finished = self._postprocess(batch, logits)
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
-            self.step_log.append(StepRecord.of(ab, seconds, model_s))
+            self.step_log.append(StepRecord.of(ab, seconds, model_s, prefill_rows))
         return finished
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
@@ -185,6 +186,9 @@ class LLM:
     def stats(self) -> dict:
         """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions, and time.
 
+        ``evictions`` counts the times memory pressure made the cache give up
+        slots, ``evicted_tokens`` the slots it gave up.
+
         ``step_s`` is the time spent in ``step()``, ``model_s`` the part of it in
         the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
         engine's own share (scheduling, cache, metadata, attention planning, sampling).
@@ -212,9 +216,10 @@ class LLM:
         for s in list(self.running):
             if s not in self.running:
                 continue  # preempted while making room for an earlier one
-            n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, cfg.chunked_prefill_size)
-            if n > budget:
-                continue
+            n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, cfg.chunked_prefill_size,
+                                                          budget)
+            if n < 1 or n > budget:
+                continue  # the budget is spent: it runs next step
             if self._reserve(s, n, batch):
                 batch.append((s, n))
                 budget -= n
@@ -254,6 +259,7 @@ class LLM:
             freed = self.cache.evict(n - self.allocator.num_free)
             self.allocator.free(freed)
             self._stats["evicted_tokens"] += len(freed)
+            self._stats["evictions"] += bool(len(freed))
         room = 0 if not len(s.slots) or len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
         if self.allocator.num_free < n - min(room, n):
             return False

@@ -138,21 +138,24 @@ class InBatchPrefixSharing:
     than ``threshold`` is looked up in a scratch radix tree of the prompts
     offered so far in this round; if it shares at least ``threshold`` tokens
     with one of them it is left out of this round, otherwise its prompt joins
-    the scratch tree. The first request of every group is always offered, so
-    the queue never stalls. O(total prompt tokens) memcmp work per round.
+    the scratch tree. The scratch tree has the cache's page size, so a prefix
+    shared below one page (which the cache could not hold) holds nothing back.
+    The first request of every group is always offered, so the queue never
+    stalls. O(total prompt tokens) memcmp work per round.
     """
 
     needs_match = True
 
-    def __init__(self, inner: SchedulePolicy, threshold: int = 32):
-        if threshold < 1:
-            raise ValueError(f"in-batch prefix sharing threshold must be >= 1, got {threshold}")
+    def __init__(self, inner: SchedulePolicy, threshold: int = 32, page_size: int = 1):
+        if threshold < 1 or page_size < 1:
+            raise ValueError(f"in-batch sharing needs threshold, page_size >= 1, got {threshold}, {page_size}")
         self.inner = inner
         self.threshold = threshold
+        self.page_size = page_size  # the cache's page / block: sharing below it can never be a hit
         self.name = f"{inner.name}+in-batch-sharing"
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
-        scratch = RadixCache()
+        scratch = RadixCache(self.page_size)
         offered, slot = [], 0
         for c in self.inner.order(waiting):
             if c.match.length >= self.threshold:
@@ -168,8 +171,9 @@ class InBatchPrefixSharing:
 POLICIES = ("fcfs", "lpm", "dfs-weight", "random")
 
 
-def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None) -> SchedulePolicy:
-    """A policy by name; ``in_batch_sharing`` (a token threshold) wraps it in ``InBatchPrefixSharing``.
+def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, page_size: int = 1) -> SchedulePolicy:
+    """A policy by name; ``in_batch_sharing`` (a token threshold) wraps it in ``InBatchPrefixSharing``
+    at the cache's ``page_size`` (shared tokens are counted in whole pages, as the cache will hold them).
 
     Unknown names raise ``ValueError``.
     """
@@ -177,4 +181,4 @@ def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None) -
     if name not in makers:
         raise ValueError(f"unknown schedule policy {name!r}; choose one of {list(POLICIES)}")
     policy = makers[name]()
-    return InBatchPrefixSharing(policy, in_batch_sharing) if in_batch_sharing else policy
+    return InBatchPrefixSharing(policy, in_batch_sharing, page_size) if in_batch_sharing else policy

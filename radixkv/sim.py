@@ -82,8 +82,9 @@ class CostModel:
         """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``).
 
         Each record has ``prefill_tokens``, ``attention_pairs``, ``decodes`` and
-        ``seconds``. Constants are kept non-negative: a negative one is fixed
-        at zero and the others refit (an active-set loop over five columns).
+        ``seconds``. Constants are non-negative: the fit is exact non-negative
+        least squares, by trying every subset of the five constants (the
+        others fixed at zero) and keeping the best feasible one.
         """
         if len(records) < 5:
             raise ValueError(f"need at least 5 measured steps to fit 5 constants, got {len(records)}")
@@ -91,16 +92,16 @@ class CostModel:
                      dtype=np.float64)
         y = np.array([r.seconds for r in records], dtype=np.float64)
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
-        active = list(range(x.shape[1]))
-        coef = np.zeros(x.shape[1])
-        while active:
-            sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
-            coef[:] = 0.0
-            coef[active] = sol / scale[active]
-            negative = [c for c in active if coef[c] < 0]
-            if not negative:
-                break
-            active.remove(min(negative, key=lambda c: coef[c] * scale[c]))
+        best, coef = np.inf, np.zeros(x.shape[1])
+        for mask in range(1, 2 ** x.shape[1]):  # every subset of free constants, the rest fixed at 0: exact NNLS
+            cols = [c for c in range(x.shape[1]) if mask >> c & 1]
+            sol, *_ = np.linalg.lstsq(x[:, cols] / scale[cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ (sol / scale[cols]) - y) ** 2))
+            if err < best:
+                best, coef = err, np.zeros(x.shape[1])
+                coef[cols] = sol / scale[cols]
         c = [float(v) for v in coef]
         return cls(prefill_per_token=c[0], attention_per_pair=c[1], decode_step=c[2], decode_per_seq=c[3],
                    step_overhead=c[4])
@@ -362,9 +363,9 @@ def simulate(
     requests = _numbered(list(requests))
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
-    policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing)
     prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
     granularity = getattr(prefix_cache, "page_size", 1)
+    policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing, page_size=granularity)
     slots = capacity_tokens
     if slots is None:  # room for every token of every request: nothing is ever evicted
         slots = sum(len(r.prompt) + r.output_len for r in requests) + granularity * (len(requests) + 1)

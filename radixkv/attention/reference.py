@@ -27,6 +27,12 @@ class TorchReferenceBackend:
     batch with a length mask, written out as two ``bmm`` calls per layer: CPU
     SDPA is slow for a single query row and slower still with a padding mask.
     Cost per layer: O(sum over requests of new_len * (prefix_len + new_len)).
+
+    In float32 every path is exact. In 16-bit dtypes the written-out paths
+    round scores to the pool's dtype before a float32 softmax (as
+    transformers' eager attention does) while SDPA keeps them in float32, so
+    outputs are within 16-bit rounding of exact attention, not bit-equal
+    across the ``small_prefill`` threshold.
     """
 
     name = "torch"

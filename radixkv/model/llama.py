@@ -181,10 +181,17 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(model: nn.Module) -> bool:
-    """Packing pays, and is exact, for 16-bit weights on a CPU with oneDNN."""
+    """Packing pays, and is exact, for 16-bit weights on a CPU whose oneDNN supports that dtype."""
     p = next(model.parameters())
-    return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    mkldnn = torch.ops.mkldnn
+    if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")):
+        return False
+    if p.dtype == torch.bfloat16:
+        return bool(mkldnn._is_mkldnn_bf16_supported())
+    # fp16 needs AVX512-FP16 or AVX-NE-CONVERT, which many CPUs lack
+    return p.dtype == torch.float16 and bool(mkldnn._is_mkldnn_fp16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:
