@@ -82,15 +82,20 @@ class CostModel:
         """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``).
 
         Each record has ``prefill_tokens``, ``attention_pairs``, ``decodes`` and
-        ``seconds``. Constants are non-negative: the fit is exact non-negative
-        least squares, by trying every subset of the five constants (the
-        others fixed at zero) and keeping the best feasible one.
+        ``seconds``. It minimizes squared *relative* errors (so the many short
+        decode steps count as much as the few long prefill ones), with every
+        constant non-negative: exact non-negative least squares, by trying every
+        subset of the five constants (the others fixed at zero) and keeping
+        the best feasible one.
         """
         if len(records) < 5:
             raise ValueError(f"need at least 5 measured steps to fit 5 constants, got {len(records)}")
         x = np.array([[r.prefill_tokens, r.attention_pairs, r.decodes > 0, r.decodes, 1.0] for r in records],
                      dtype=np.float64)
         y = np.array([r.seconds for r in records], dtype=np.float64)
+        # Relative errors: a few long prefill steps would otherwise outweigh a hundred decode steps.
+        weight = 1.0 / np.maximum(y, 1e-9)
+        x, y = x * weight[:, None], y * weight
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
         best, coef = np.inf, np.zeros(x.shape[1])
         for mask in range(1, 2 ** x.shape[1]):  # every subset of free constants, the rest fixed at 0: exact NNLS
