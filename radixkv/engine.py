@@ -255,13 +255,15 @@ class LLM:
 
         The slots continue the request's last page, so its slots fill pages in order.
         """
-        if self.allocator.num_free < n:
-            freed = self.cache.evict(n - self.allocator.num_free)
+        # Slots left in the request's own last page need no eviction.
+        room = 0 if not len(s.slots) or len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
+        need = n - min(room, n)
+        if self.allocator.num_free < need:
+            freed = self.cache.evict(need - self.allocator.num_free)
             self.allocator.free(freed)
             self._stats["evicted_tokens"] += len(freed)
             self._stats["evictions"] += bool(len(freed))
-        room = 0 if not len(s.slots) or len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
-        if self.allocator.num_free < n - min(room, n):
+        if self.allocator.num_free < need:
             return False
         last = int(s.slots[-1]) if len(s.slots) else None
         if len(s.slots) <= s.cached:
