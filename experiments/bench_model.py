@@ -2,7 +2,8 @@
 
 ``python -m experiments.bench_model`` times prefill of 512 / 1,024 / 2,048
 tokens and one decode step (after a 1,024-token context) in float32 and
-bfloat16, for radixkv's model (paged pool, reference attention) and for
+bfloat16, for radixkv's model (paged pool, reference attention, 16-bit
+weights packed as the engine serves them) and for
 ``transformers``' forward, as medians of ``--repeats`` runs and their ratio.
 It also times the prefill of a 128-token suffix after a cached 1,024-token
 prefix against a full 1,152-token prefill: what prefix caching saves.
@@ -11,6 +12,7 @@ Writes ``results/bench_model.json`` with the full configuration.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -25,6 +27,7 @@ from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
+from radixkv.model.llama import pack_linears
 from radixkv.model.step import run_step
 
 
@@ -61,7 +64,8 @@ class Ours:
 
 
 def bench_dtype(loaded, dtype: torch.dtype, lengths: list[int], repeats: int, rng) -> list[dict]:
-    model = loaded.model.to(dtype)
+    model = copy.deepcopy(loaded.model).to(dtype)
+    pack_linears(model)  # as the engine serves 16-bit weights on a CPU (a no-op in float32)
     hf = loaded.hf_model.to(dtype)
     vocab = model.config.vocab_size
     ours = Ours(model, max(*lengths, 1152) + 256)
