@@ -124,18 +124,28 @@ class TorchReferenceBackend:
 
     def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
         """The planned decodes as one padded batch, written into their rows of ``out``."""
+        _, valid, rows = self._decodes
+        b, h, g, d = valid.shape[1], self.pool.num_kv_heads, self.group, q.shape[-1]
+        qd = q[rows].to(self.pool.dtype).view(b, h, g, d).transpose(0, 1).reshape(h * b, g, d)
+        scores, v = self._padded_scores(qd, layer)
+        o = torch.bmm(scores.softmax(-1).to(v.dtype), v)  # [Hkv * B, group, head_dim]
+        out[rows] = o.view(h, b, g, d).transpose(0, 1).reshape(b, -1, d).to(q.dtype)
+
+    def _padded_scores(self, qd: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked scores of the planned decodes over their padded slots, and those slots' V.
+
+        qd: ``[Hkv * B, group, D]`` (head-major, the pool's dtype) -> scores
+        ``[Hkv * B, group, Lmax]`` float32 with -inf on padding, V ``[Hkv * B, Lmax, D]``.
+        Written out rather than SDPA: with a padding mask, CPU SDPA takes a slow path (5x in bf16).
+        ``index_select`` on the flat slot list is several times faster than advanced indexing, and
+        head-major copies make both products plain ``bmm`` calls without hidden copies. The products
+        run in the pool's dtype (as transformers' eager attention does), the softmax in float32.
+        """
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
-        idx, valid, rows = self._decodes
-        b, width, h, g, d = valid.shape[1], valid.shape[-1], k_all.shape[1], self.group, q.shape[-1]
-        # Written out rather than SDPA: with a padding mask, CPU SDPA takes a slow path (5x in bf16).
-        # index_select on the flat slot list is several times faster than advanced indexing, and
-        # head-major copies [Hkv * B, Lmax, D] make both products plain bmm calls without hidden copies.
-        # The products run in the pool's dtype (as transformers' eager attention does), softmax in float32.
+        idx, valid, _ = self._decodes
+        b, width, h, d = valid.shape[1], valid.shape[-1], k_all.shape[1], k_all.shape[2]
         k = torch.index_select(k_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
         v = torch.index_select(v_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
-        qd = q[rows].to(k.dtype).view(b, h, g, d).transpose(0, 1).reshape(h * b, g, d)  # [Hkv * B, group, D]
         scores = torch.bmm(qd, k.transpose(1, 2)).float() * self.scale  # [Hkv * B, group, Lmax]
-        scores.view(h, b, g, width).masked_fill_(~valid, float("-inf"))
-        o = torch.bmm(scores.softmax(-1).to(v.dtype), v)  # [Hkv * B, group, head_dim]
-        o = o.view(h, b, g, d).transpose(0, 1)  # [B, Hkv, group, head_dim]
-        out[rows] = o.reshape(b, -1, d).to(q.dtype)
+        scores.view(h, b, -1, width).masked_fill_(~valid, float("-inf"))
+        return scores, v

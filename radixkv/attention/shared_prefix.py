@@ -65,7 +65,7 @@ class SharedPrefixTorchBackend(TorchReferenceBackend):
         if self._shared is None:
             return super()._run_decodes(q, layer, out)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
-        idx, valid, rows = self._decodes
+        _, valid, rows = self._decodes
         b, width, h, g, d = valid.shape[1], valid.shape[-1], k_all.shape[1], self.group, q.shape[-1]
         qd = q[rows].to(k_all.dtype).view(b, h, g, d).transpose(0, 1)  # [Hkv, B, group, D]
         # Level 1: the shared prefix, read once for the whole batch.
@@ -73,10 +73,7 @@ class SharedPrefixTorchBackend(TorchReferenceBackend):
         vs = torch.index_select(v_all, 0, self._shared).transpose(0, 1)
         s1 = torch.bmm(qd.reshape(h, b * g, d), ks.transpose(1, 2)).float() * self.scale  # [Hkv, B * group, S]
         # Level 2: each request's own slots, padded to the longest.
-        k = torch.index_select(k_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
-        v = torch.index_select(v_all, 0, idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
-        s2 = torch.bmm(qd.reshape(h * b, g, d), k.transpose(1, 2)).float() * self.scale  # [Hkv * B, group, R]
-        s2.view(h, b, g, width).masked_fill_(~valid, float("-inf"))
+        s2, v = self._padded_scores(qd.reshape(h * b, g, d), layer)  # [Hkv * B, group, R], [Hkv * B, R, D]
         s2 = s2.view(h, b * g, width)
         # Exact merge: one running maximum, one normalizer over both levels.
         m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))  # [Hkv, B * group, 1]
