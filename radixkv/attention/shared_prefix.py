@@ -56,9 +56,7 @@ class SharedPrefixTorchBackend(TorchReferenceBackend):
             self._shared = None
             return super()._plan_decodes(batch, rows, starts)
         self._shared = torch.as_tensor(slots[0][:shared], device=self.pool.device)
-        own = [s[shared:] for s in slots]
-        rest = AttentionBatch([len(s) - 1 for s in own], [1] * len(rows), own)
-        idx, valid, _ = super()._plan_decodes(rest, list(range(len(rows))), starts)
+        idx, valid = self._padded_slots([s[shared:] for s in slots])
         return idx, valid, torch.as_tensor(starts[rows], dtype=torch.long, device=self.pool.device)
 
     def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:

@@ -42,11 +42,8 @@ class StepRecord:
     model_seconds: float
 
     @classmethod
-    def of(cls, batch: AttentionBatch, seconds: float, model_seconds: float,
-           prefill: Sequence[bool] | None = None) -> StepRecord:
-        """``prefill[r]``: row r computes prompt tokens (default: every row with more than one new token)."""
-        if prefill is None:
-            prefill = [n > 1 for n in batch.new_lens]
+    def of(cls, batch: AttentionBatch, seconds: float, model_seconds: float, prefill: Sequence[bool]) -> StepRecord:
+        """``prefill[r]``: row r computes prompt tokens (a one-token chunk after a prefix looks like a decode)."""
         chunks = [(p, n) for p, n, f in zip(batch.prefix_lens, batch.new_lens, prefill, strict=True) if f]
         return cls(prefill_tokens=sum(n for _, n in chunks),
                    attention_pairs=float(sum(n * (p + (n + 1) / 2) for p, n in chunks)),
