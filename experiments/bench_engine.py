@@ -34,6 +34,7 @@ from radixkv.attention import AttentionBatch, make_backend
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.llama import pack_linears
+from radixkv.model.ops import ops_for_backend
 from radixkv.model.step import run_step
 
 # vLLM 0.32 on CPU, SmolLM2-135M bf16, 2 threads (the engine issue, docs/experiments.md).
@@ -51,6 +52,7 @@ def ours_micro(model, context: int, repeats: int, rng) -> dict:
     slots_total = 9 * (context + 8) + 64
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=dtype)
     backend = make_backend("auto", pool, cfg.num_heads)
+    model.set_ops(ops_for_backend(backend))  # as the engine serves it
     alloc = SlotAllocator(slots_total)
     toks = rng.integers(3, cfg.vocab_size, context).tolist()
     seqs = [alloc.alloc(context + 1) for _ in range(8)]

@@ -66,7 +66,8 @@ def engine_kwargs(cache: str, args) -> dict:
     return dict(prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
                 kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
                 schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
-                in_batch_sharing=args.in_batch_sharing, dtype=args.dtype, seed=args.seed)
+                in_batch_sharing=args.in_batch_sharing, attention_backend=args.attention_backend,
+                dtype=args.dtype, seed=args.seed)
 
 
 def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict], float, object]:
@@ -195,6 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | torch-cascade | cpu | flashinfer")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")

@@ -8,7 +8,7 @@ from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 
 PREFIX_CACHES = ("radix", "hash", "none")
-ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -29,6 +29,7 @@ from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
 from radixkv.model.llama import pack_linears
+from radixkv.model.ops import ops_for_backend
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
 from radixkv.scheduling import Candidate, make_policy
@@ -100,6 +101,7 @@ class LLM:
                       "hash": lambda: HashBlockCache(cfg.block_size, eviction_policy=cfg.eviction_policy),
                       "none": NoPrefixCache}[cfg.prefix_cache]()
         self.backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads)
+        self.model.set_ops(ops_for_backend(self.backend))  # the cpu backend's kernels also fuse elementwise steps
         sharing = cfg.in_batch_sharing if cfg.prefix_cache != "none" else 0
         self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing, page_size=ps)
         self.waiting: list[_Seq] = []

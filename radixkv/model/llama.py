@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.kv_pool import KVPool
+from radixkv.model.ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -87,22 +87,15 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = TorchOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]; normalize in float32 as the reference implementation does
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)  # x: [num_tokens, hidden]
 
 
 class Attention(nn.Module):
@@ -113,19 +106,15 @@ class Attention(nn.Module):
         self.sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)  # q, k, v rows of qkv_proj
         self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.ops = TorchOps()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        n, d = x.shape[0], self.cfg.head_dim
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.reshape(n, self.cfg.num_heads, d)  # q: [num_tokens, num_heads, head_dim]
-        k = k.reshape(n, self.cfg.num_kv_heads, d)  # k: [num_tokens, num_kv_heads, head_dim]
-        v = v.reshape(n, self.cfg.num_kv_heads, d)  # v: [num_tokens, num_kv_heads, head_dim]
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [num_tokens, 1, head_dim]
-        k = k * cos + rotate_half(k) * sin
-        pool.store(self.layer, k, v, out_slots)
+        qkv = self.qkv_proj(x)  # qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        # cos, sin: [num_tokens, 1, head_dim]; k and v go to the pool, q: [num_tokens, num_heads, head_dim]
+        q = self.ops.rope_store(qkv, cos, sin, pool, self.layer, out_slots, self.cfg.num_heads, self.cfg.num_kv_heads)
         o = backend.run(q, self.layer)  # o: [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.reshape(n, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -133,10 +122,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = TorchOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [num_tokens, intermediate]
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))  # SwiGLU; gate_up: [num_tokens, 2 * inter]
 
 
 class DecoderLayer(nn.Module):
@@ -233,6 +222,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def set_ops(self, ops: TorchOps) -> None:
+        """Run the layers' elementwise steps (RMSNorm, RoPE + KV store, SwiGLU) through ``ops``."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a ``transformers`` state dict: q/k/v and gate/up are stacked; a tied head may be absent."""

@@ -1,0 +1,64 @@
+"""CPU kernels compiled on first use: paged decode attention that reads K/V in place.
+
+PyTorch has no op that attends over a paged pool without first gathering
+the K/V rows into a dense batch, and on a CPU that copy costs as much as the
+attention itself. ``cpu_kernels.cpp`` does the gather-free version (its
+header documents shapes and dtypes). It is built with
+``torch.utils.cpp_extension`` the first time it is asked for (about 25 s on
+2 cores, then cached under ``~/.cache/torch_extensions``), for this
+machine's CPU (``-march=native``), so the cache is keyed by the CPU's
+feature flags.
+
+``load_cpu_kernels()`` returns the compiled module, or raises
+``RuntimeError`` saying why it cannot be built (no C++ compiler, no ninja);
+``cpu_kernels_unavailable_reason()`` returns that reason without raising.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags and the source, so a build never runs on the wrong CPU."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
+    key = f"{platform.machine()}|{flags}|{SOURCE.read_text()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _build() -> ModuleType | str:
+    """The compiled module, or the reason it could not be built (built once per process)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(f"radixkv_cpu_{_cpu_tag()}", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the PyTorch path", with the reason kept
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def load_cpu_kernels() -> ModuleType:
+    """The compiled CPU kernels (``paged_decode``, ``has_avx512_bf16``); builds them on first call."""
+    built = _build()
+    if isinstance(built, str):
+        raise RuntimeError(f"radixkv's CPU kernels could not be built: {built}")
+    return built
+
+
+def cpu_kernels_unavailable_reason() -> str | None:
+    """Why the CPU kernels cannot be used here, or None when they can (may build them)."""
+    built = _build()
+    return built if isinstance(built, str) else None
+
+
+__all__ = ["cpu_kernels_unavailable_reason", "load_cpu_kernels"]

@@ -1,0 +1,548 @@
+// radixkv's CPU kernels: paged attention that reads K/V in place from the pool (decode and prefill),
+// and the fused elementwise steps of a Llama layer (RMSNorm, RoPE + KV store, SwiGLU).
+//
+// Decode: each request's single query row attends to its K/V through its slot list (no gather into a
+// padded batch, no padding).
+//
+// Shapes (all contiguous):
+//   q:          [B, H, D]        float32 / bfloat16 / float16
+//   k_pool:     [S, Hkv, D]      same dtype as q
+//   v_pool:     [S, Hkv, D]
+//   kv_indices: [nnz]  int64     slots of request b are kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+//   kv_indptr:  [B + 1] int64
+//   out:        [B, H, D]        same dtype as q
+// Query head h reads KV head h / (H / Hkv). One task per (request, KV head) reads that head's K and V
+// rows once for the whole query group. Scores, softmax and the weighted sum of V are float32.
+// bfloat16 with a head_dim that is a multiple of 32 takes an AVX-512 path (BF16 dot products for
+// Q.K, float32 FMAs for P.V) where the compiler targets it; every other case takes portable loops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXKV_AVX512_BF16 1
+#endif
+
+namespace {
+
+// ---- portable path ---------------------------------------------------------------------------
+
+template <typename T>
+void decode_portable(const T* q, const T* k, const T* v, const int64_t* idx, const int64_t* indptr, T* out,
+                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), row(d), scores, mx(group), sum(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t start = indptr[b], len = indptr[b + 1] - start;
+      const T* qb = q + (b * heads + h * group) * d;  // the group's query rows are consecutive
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      scores.assign(group * len, 0.f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {  // scores[g, t] = q[g] . k[t]
+        const T* kr = k + (idx[start + t] * kv_heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kr[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          float s = 0.f;
+          for (int64_t i = 0; i < d; ++i) s += qf[g * d + i] * row[i];
+          scores[g * len + t] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < len; ++t) {
+          scores[g * len + t] = std::exp(scores[g * len + t] - mx[g]);
+          sum[g] += scores[g * len + t];
+        }
+      for (int64_t t = 0; t < len; ++t) {  // acc[g] += p[g, t] * v[t]
+        const T* vr = v + (idx[start + t] * kv_heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(vr[i]);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * len + t] * row[i];
+      }
+      T* ob = out + (b * heads + h * group) * d;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) ob[g * d + i] = static_cast<T>(acc[g * d + i] / sum[g]);
+    }
+  });
+}
+
+// ---- AVX-512 bfloat16 path -------------------------------------------------------------------
+
+#ifdef RADIXKV_AVX512_BF16
+constexpr int kMaxGroup = 8;   // query heads per KV head held in registers
+constexpr int kMaxChunks = 4;  // head_dim up to 128, in chunks of 32
+
+// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error about 2e-7.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_ps(const uint16_t* src) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
+}
+
+void decode_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* idx,
+                        const int64_t* indptr, uint16_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t d, float scale) {
+  const int64_t group = heads / kv_heads, chunks = d / 32, row_stride = kv_heads * d;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t start = indptr[b], len = indptr[b + 1] - start;
+      const uint16_t* qb = q + (b * heads + h * group) * d;
+      __m512bh qv[kMaxGroup][kMaxChunks];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < chunks; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * d + c * 32);
+      scores.resize(group * len);
+      __m512 vmax[kMaxGroup];
+      float mx[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) mx[g] = -std::numeric_limits<float>::infinity();
+      const uint16_t* kh = k + h * d;
+      for (int64_t t = 0; t < len; ++t) {  // scores[g, t] = scale * q[g] . k[t], BF16 pairs into float32
+        const uint16_t* kr = kh + idx[start + t] * row_stride;
+        __m512bh kc[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kc[c]);
+          const float s = _mm512_reduce_add_ps(acc) * scale;
+          scores[g * len + t] = s;
+          mx[g] = s > mx[g] ? s : mx[g];
+        }
+      }
+      float inv_sum[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) {  // p = exp(s - max) in place; its sum
+        float* sg = scores.data() + g * len;
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 total = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+          _mm512_storeu_ps(sg + t, p);
+          total = _mm512_add_ps(total, p);
+        }
+        if (t < len) {
+          const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
+          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
+          _mm512_mask_storeu_ps(sg + t, tail, p);
+          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, p));
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);
+        vmax[g] = m;
+      }
+      __m512 acc[kMaxGroup][2 * kMaxChunks];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < 2 * chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+      const uint16_t* vh = v + h * d;
+      for (int64_t t = 0; t < len; ++t) {  // acc[g] += p[g, t] * v[t], float32
+        const uint16_t* vr = vh + idx[start + t] * row_stride;
+        __m512 vc[2 * kMaxChunks];
+        for (int64_t c = 0; c < 2 * chunks; ++c) vc[c] = bf16x16_to_ps(vr + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+          for (int64_t c = 0; c < 2 * chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vc[c], acc[g][c]);
+        }
+      }
+      uint16_t* ob = out + (b * heads + h * group) * d;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < chunks; ++c) {  // two float32 halves -> 32 bfloat16, round to nearest even
+          const __m512 lo = _mm512_mul_ps(acc[g][2 * c], _mm512_set1_ps(inv_sum[g]));
+          const __m512 hi = _mm512_mul_ps(acc[g][2 * c + 1], _mm512_set1_ps(inv_sum[g]));
+          _mm512_storeu_si512(ob + g * d + c * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      (void)vmax;
+    }
+  });
+}
+
+// Prefill chunks (any number of query rows per request, causal after the request's cached prefix):
+// query i of request r sees KV positions 0 .. prefix_r + i, prefix_r = kv_len_r - q_len_r.
+// K and V of each (request, KV head) are first repacked into BF16 pairs, so that both products are
+// plain dot-product instructions with no horizontal sums:
+//   kt[tile][c][j] = (k[16 tile + j][2c], k[16 tile + j][2c + 1])   scores of 16 tokens per row
+//   vp[m][e]       = (v[2m][e], v[2m + 1][e])                         output dims 16 at a time
+// then each task (request, KV head, block of kQueryBlock queries) computes its rows' scores, an exact
+// float32 softmax, and P.V with P rounded to bfloat16 (as the reference's bmm in bfloat16 does).
+constexpr int64_t kQueryBlock = 16;
+
+inline uint32_t pair_of(const uint16_t* a, const uint16_t* b) {
+  return static_cast<uint32_t>(*a) | (static_cast<uint32_t>(*b) << 16);
+}
+
+void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t len, int64_t h, int64_t row_stride,
+             int64_t d, uint32_t* kt, uint32_t* vp) {
+  const int64_t tiles = (len + 15) / 16, half = d / 2;
+  std::fill(kt, kt + tiles * 16 * half, 0u);
+  for (int64_t t = 0; t < len; ++t) {
+    const uint16_t* kr = k + slots[t] * row_stride + h * d;
+    uint32_t* dst = kt + (t / 16) * 16 * half + (t % 16);
+    for (int64_t c = 0; c < half; ++c) dst[c * 16] = pair_of(kr + 2 * c, kr + 2 * c + 1);
+  }
+  const uint16_t zero[1] = {0};
+  for (int64_t m = 0; m < (len + 1) / 2; ++m) {
+    const uint16_t* v0 = v + slots[2 * m] * row_stride + h * d;
+    const bool odd = 2 * m + 1 < len;
+    const uint16_t* v1 = odd ? v + slots[2 * m + 1] * row_stride + h * d : nullptr;
+    for (int64_t e = 0; e < d; ++e) vp[m * d + e] = pair_of(v0 + e, odd ? v1 + e : zero);
+  }
+}
+
+template <int64_t d>  // head_dim at compile time: the loops unroll and the accumulators stay in registers
+void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* kv_idx,
+                         const int64_t* kv_indptr, const int64_t* qo_indptr, uint16_t* out, int64_t reqs,
+                         int64_t heads, int64_t kv_heads, float scale) {
+  constexpr int64_t half = d / 2, vecs = d / 16;
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d;
+  std::vector<int64_t> kt_off(reqs * kv_heads + 1, 0), vp_off(reqs * kv_heads + 1, 0);
+  for (int64_t r = 0; r < reqs; ++r)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t len = kv_indptr[r + 1] - kv_indptr[r], i = r * kv_heads + h;
+      kt_off[i + 1] = kt_off[i] + (len + 15) / 16 * 16 * half;
+      vp_off[i + 1] = vp_off[i] + (len + 1) / 2 * d;
+    }
+  std::vector<uint32_t> kt(kt_off.back()), vp(vp_off.back());
+  at::parallel_for(0, reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads;
+      pack_kv(k, v, kv_idx + kv_indptr[r], kv_indptr[r + 1] - kv_indptr[r], h, row_stride, d, kt.data() + kt_off[i],
+              vp.data() + vp_off[i]);
+    }
+  });
+  struct Task { int64_t r, h, i0, i1; };
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < reqs; ++r)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i0 = 0; i0 < qo_indptr[r + 1] - qo_indptr[r]; i0 += kQueryBlock)
+        tasks.push_back({r, h, i0, std::min(i0 + kQueryBlock, qo_indptr[r + 1] - qo_indptr[r])});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sbuf;
+    std::vector<uint32_t> pbuf;
+    std::vector<int64_t> count;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& tk = tasks[ti];
+      const int64_t len = kv_indptr[tk.r + 1] - kv_indptr[tk.r], qlen = qo_indptr[tk.r + 1] - qo_indptr[tk.r];
+      const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group;
+      const int64_t visible_max = prefix + tk.i1;  // tokens the block's last query sees
+      const int64_t tiles = (visible_max + 15) / 16, pairs = (visible_max + 1) / 2;
+      const uint32_t* ktp = kt.data() + kt_off[tk.r * kv_heads + tk.h];
+      const uint32_t* vpp = vp.data() + vp_off[tk.r * kv_heads + tk.h];
+      sbuf.resize(rows * tiles * 16 + 32);  // no clearing: every value read is written first (or masked)
+      pbuf.resize(rows * pairs + 1);
+      count.resize(rows);
+      auto qrow = [&](int64_t row) {  // query row -> its bf16 pairs
+        const int64_t i = tk.i0 + row / group, g = row % group;
+        return reinterpret_cast<const uint32_t*>(q + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d);
+      };
+      for (int64_t row = 0; row < rows; ++row) count[row] = prefix + tk.i0 + row / group + 1;
+      // scores, four rows at a time (two accumulators each, to hide the instruction's latency)
+      for (int64_t row0 = 0; row0 < rows; row0 += 4) {
+        const int64_t nr = std::min<int64_t>(4, rows - row0);
+        const uint32_t* qr[4];
+        for (int64_t j = 0; j < 4; ++j) qr[j] = qrow(row0 + std::min(j, nr - 1));
+        const int64_t row_tiles = (count[row0 + nr - 1] + 15) / 16;
+        for (int64_t tile = 0; tile < row_tiles; ++tile) {
+          const uint32_t* kp = ktp + tile * 16 * half;
+          __m512 a[4][2];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+          for (int64_t c = 0; c < half; c += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + c * 16);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (c + 1) * 16);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              a[j][0] = _mm512_dpbf16_ps(a[j][0], (__m512bh)_mm512_set1_epi32(qr[j][c]), k0);
+              a[j][1] = _mm512_dpbf16_ps(a[j][1], (__m512bh)_mm512_set1_epi32(qr[j][c + 1]), k1);
+            }
+          }
+          for (int64_t j = 0; j < nr; ++j)
+            _mm512_storeu_ps(sbuf.data() + (row0 + j) * tiles * 16 + tile * 16,
+                             _mm512_mul_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_set1_ps(scale)));
+        }
+      }
+      // exact softmax per row over its visible tokens; P as bf16 pairs, unnormalized
+      std::vector<float> inv_sum(rows);
+      for (int64_t row = 0; row < rows; ++row) {
+        float* sr = sbuf.data() + row * tiles * 16;
+        const int64_t n = count[row];
+        __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + t));
+        float m = _mm512_reduce_max_ps(vm);
+        for (int64_t u = t; u < n; ++u) m = std::max(m, sr[u]);
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 total = _mm512_setzero_ps();
+        for (t = 0; t < n; t += 16) {
+          const __mmask16 mask = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+          const __m512 p = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mv)));
+          total = _mm512_add_ps(total, p);
+          _mm512_storeu_ps(sr + t, p);  // zeros past the visible tokens
+        }
+        inv_sum[row] = 1.f / _mm512_reduce_add_ps(total);
+        uint32_t* pr = pbuf.data() + row * pairs;
+        const int64_t row_pairs = (n + 1) / 2;
+        for (t = 0; t < row_pairs; t += 16) {  // 32 probabilities -> 16 bf16 pairs (zero past n: stored above)
+          const __m512 lo = _mm512_loadu_ps(sr + 2 * t), hi = _mm512_loadu_ps(sr + 2 * t + 16);
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+          const __mmask16 mask = row_pairs - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (row_pairs - t)) - 1);
+          _mm512_mask_storeu_epi32(pr + t, mask, both);
+        }
+        if (row_pairs < pairs) pr[row_pairs] = 0;  // a row pair's P.V runs to its longer row's last pair
+      }
+      // P.V, two rows at a time
+      for (int64_t row0 = 0; row0 < rows; row0 += 2) {
+        const int64_t nr = std::min<int64_t>(2, rows - row0);
+        const uint32_t* p0 = pbuf.data() + row0 * pairs;
+        const uint32_t* p1 = pbuf.data() + (row0 + nr - 1) * pairs;
+        const int64_t row_pairs = (count[row0 + nr - 1] + 1) / 2;
+        __m512 a0[vecs], a1[vecs];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < vecs; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+        for (int64_t m = 0; m < row_pairs; ++m) {
+          const __m512bh w0 = (__m512bh)_mm512_set1_epi32(p0[m]), w1 = (__m512bh)_mm512_set1_epi32(p1[m]);
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < vecs; ++c) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vpp + m * d + c * 16);
+            a0[c] = _mm512_dpbf16_ps(a0[c], w0, vv);
+            a1[c] = _mm512_dpbf16_ps(a1[c], w1, vv);
+          }
+        }
+        for (int64_t j = 0; j < nr; ++j) {
+          const int64_t row = row0 + j, i = tk.i0 + row / group, g = row % group;
+          uint16_t* o = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
+          const __m512 s = _mm512_set1_ps(inv_sum[row]);
+          __m512* a = j == 0 ? a0 : a1;
+          for (int64_t c = 0; c < vecs; c += 2)
+            _mm512_storeu_si512(o + c * 16,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(a[c + 1], s), _mm512_mul_ps(a[c], s)));
+        }
+      }
+    }
+  });
+}
+#endif
+
+// ---- fused elementwise ops, rounding like PyTorch's eager ops in the same dtype ----------------
+// Each op computes in float32 and rounds to T wherever the eager sequence it replaces rounds, so
+// float32 results equal the eager ones up to summation order, and 16-bit ones up to that and one
+// rounding step.
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+// out = w * to_T(x * rsqrt(mean(x^2) + eps)); with a residual: residual = to_T(residual + x) first,
+// and the normalized value is the new residual's. x, residual, out: [n, hidden]; w: [hidden].
+template <typename T>
+void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t n, int64_t hidden, float eps) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          rr[i] = round_to<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+          h[i] = static_cast<float>(rr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) h[i] = static_cast<float>(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(round_to<T>(h[i] * inv)));
+    }
+  });
+}
+
+// RoPE on the q and k heads of qkv [n, (H + 2 Hkv) D] in place, then k and v stored at slots[n] of the
+// pools [S, Hkv, D]. cos, sin: [n, D]. x' = x * cos + rotate_half(x) * sin, three roundings as eager.
+template <typename T>
+void rope_store_kernel(T* qkv, const T* cos, const T* sin, T* k_pool, T* v_pool, const int64_t* slots, int64_t n,
+                       int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * d;
+      const T* s = sin + t * d;
+      for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
+        T* row = qkv + t * width + hh * d;
+        for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(row[i]);
+        for (int64_t i = 0; i < d; ++i) {
+          const float rot = i < half ? -x[i + half] : x[i - half];
+          const float a = static_cast<float>(round_to<T>(x[i] * static_cast<float>(c[i])));
+          const float b = static_cast<float>(round_to<T>(rot * static_cast<float>(s[i])));
+          row[i] = round_to<T>(a + b);
+        }
+      }
+      const T* k = qkv + t * width + heads * d;
+      const T* v = k + kv_heads * d;
+      std::copy(k, k + kv_heads * d, k_pool + slots[t] * kv_heads * d);
+      std::copy(v, v + kv_heads * d, v_pool + slots[t] * kv_heads * d);
+    }
+  });
+}
+
+// out = to_T(silu(gate)) * up with gate_up [n, 2I] (gate columns first); out: [n, I].
+template <typename T>
+void silu_mul_kernel(const T* gate_up, T* out, int64_t n, int64_t inter) {
+  at::parallel_for(0, n * inter, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t r = e / inter, i = e % inter;
+      const float g = static_cast<float>(gate_up[r * 2 * inter + i]);
+      const float silu = static_cast<float>(round_to<T>(g / (1.f + std::exp(-g))));
+      out[e] = round_to<T>(silu * static_cast<float>(gate_up[r * 2 * inter + inter + i]));
+    }
+  });
+}
+
+}  // namespace
+
+bool has_avx512_bf16() {
+#ifdef RADIXKV_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
+                           torch::Tensor kv_indptr, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "q [B, H, D], pools [S, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && v_pool.scalar_type() == k_pool.scalar_type(),
+              "q and the pools must share a dtype");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong, "indices are int64");
+  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "head counts or head_dim differ");
+  TORCH_CHECK(kv_indptr.numel() == q.size(0) + 1, "kv_indptr must have B + 1 entries");
+  auto idx = kv_indices.contiguous();
+  auto indptr = kv_indptr.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2);
+#ifdef RADIXKV_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16 && d % 32 == 0 && d <= 32 * kMaxChunks && heads / kv_heads <= kMaxGroup) {
+    auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    decode_bf16_avx512(ptr(q), ptr(k_pool), ptr(v_pool), idx.data_ptr<int64_t>(), indptr.data_ptr<int64_t>(), ptr(out),
+                       batch, heads, kv_heads, d, static_cast<float>(scale));
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_portable<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                              idx.data_ptr<int64_t>(), indptr.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+                              heads, kv_heads, d, static_cast<float>(scale));
+  });
+  return out;
+}
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
+                            torch::Tensor kv_indptr, torch::Tensor qo_indptr, double scale) {
+  TORCH_CHECK(has_avx512_bf16(), "paged_prefill needs a CPU with AVX-512 BF16 (compiled for this machine)");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "q [N, H, D], pools [S, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill runs on the CPU");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+              v_pool.scalar_type() == at::kBFloat16, "paged_prefill takes bfloat16");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
+              qo_indptr.scalar_type() == at::kLong, "indices are int64");
+  const int64_t heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2), reqs = qo_indptr.numel() - 1;
+  TORCH_CHECK(d == k_pool.size(2) && heads % kv_heads == 0 && (d == 64 || d == 128), "head_dim must be 64 or 128");
+  TORCH_CHECK(kv_indptr.numel() == reqs + 1, "kv_indptr and qo_indptr must have the same length");
+  auto idx = kv_indices.contiguous();
+  auto kv_ptr = kv_indptr.contiguous();
+  auto qo_ptr = qo_indptr.contiguous();
+  TORCH_CHECK(qo_ptr[reqs].item<int64_t>() == q.size(0), "qo_indptr must end at the number of query rows");
+  for (int64_t r = 0; r < reqs; ++r)
+    TORCH_CHECK(kv_ptr[r + 1].item<int64_t>() - kv_ptr[r].item<int64_t>() >=
+                    qo_ptr[r + 1].item<int64_t>() - qo_ptr[r].item<int64_t>(),
+                "a request has more query rows than KV positions");
+  auto out = torch::empty_like(q);
+#ifdef RADIXKV_AVX512_BF16
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  auto run = [&](auto kernel) {
+    kernel(ptr(q), ptr(k_pool), ptr(v_pool), idx.data_ptr<int64_t>(), kv_ptr.data_ptr<int64_t>(),
+           qo_ptr.data_ptr<int64_t>(), ptr(out), reqs, heads, kv_heads, static_cast<float>(scale));
+  };
+  if (d == 64) run(prefill_bf16_avx512<64>);
+  else run(prefill_bf16_avx512<128>);
+#endif
+  return out;
+}
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm: x [n, hidden] contiguous, weight [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "rms_norm: weight dtype");
+  if (residual) TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                            residual->scalar_type() == x.scalar_type(), "rms_norm: residual like x");
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                              weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                              static_cast<float>(eps));
+  });
+  return out;
+}
+
+void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool, torch::Tensor v_pool,
+                torch::Tensor slots, int64_t heads, int64_t kv_heads) {
+  const int64_t n = qkv.size(0), d = k_pool.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "rope_store: qkv [n, (H + 2 Hkv) D] contiguous");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == n * d && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_store: cos, sin [n, D]");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.size(1) == kv_heads &&
+              v_pool.sizes() == k_pool.sizes(), "rope_store: pools [S, Hkv, D]");
+  TORCH_CHECK(qkv.scalar_type() == k_pool.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+              v_pool.scalar_type() == k_pool.scalar_type(), "rope_store: one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == n && slots.is_contiguous(), "rope_store: slots");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+    rope_store_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                                k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), n,
+                                heads, kv_heads, d);
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "silu_mul: [n, 2I]");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0),
+                              gate_up.size(1) / 2);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention on the CPU (see the file's header)");
+  m.def("paged_prefill", &paged_prefill, "Paged causal prefill attention, bfloat16, AVX-512 BF16 (see above)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding x into residual in place");
+  m.def("rope_store", &rope_store, "RoPE on qkv's q and k heads in place, k and v stored in the pools");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether the bfloat16 AVX-512 path was compiled in");
+}

