@@ -114,7 +114,6 @@ void decode_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v,
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < chunks; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * d + c * 32);
       scores.resize(group * len);
-      __m512 vmax[kMaxGroup];
       float mx[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) mx[g] = -std::numeric_limits<float>::infinity();
       const uint16_t* kh = k + h * d;
@@ -148,7 +147,6 @@ void decode_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v,
           total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, p));
         }
         inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);
-        vmax[g] = m;
       }
       __m512 acc[kMaxGroup][2 * kMaxChunks];
       for (int64_t g = 0; g < group; ++g)
@@ -170,7 +168,6 @@ void decode_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v,
           const __m512 hi = _mm512_mul_ps(acc[g][2 * c + 1], _mm512_set1_ps(inv_sum[g]));
           _mm512_storeu_si512(ob + g * d + c * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
-      (void)vmax;
     }
   });
 }
@@ -476,11 +473,11 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
   auto idx = kv_indices.contiguous();
   auto kv_ptr = kv_indptr.contiguous();
   auto qo_ptr = qo_indptr.contiguous();
-  TORCH_CHECK(qo_ptr[reqs].item<int64_t>() == q.size(0), "qo_indptr must end at the number of query rows");
+  const int64_t* kvp = kv_ptr.data_ptr<int64_t>();
+  const int64_t* qop = qo_ptr.data_ptr<int64_t>();
+  TORCH_CHECK(qop[reqs] == q.size(0), "qo_indptr must end at the number of query rows");
   for (int64_t r = 0; r < reqs; ++r)
-    TORCH_CHECK(kv_ptr[r + 1].item<int64_t>() - kv_ptr[r].item<int64_t>() >=
-                    qo_ptr[r + 1].item<int64_t>() - qo_ptr[r].item<int64_t>(),
-                "a request has more query rows than KV positions");
+    TORCH_CHECK(kvp[r + 1] - kvp[r] >= qop[r + 1] - qop[r], "a request has more query rows than KV positions");
   auto out = torch::empty_like(q);
 #ifdef RADIXKV_AVX512_BF16
   auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
