@@ -26,8 +26,8 @@ def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
     return None
 
 
-def cpu_kernel_unavailable_reason(pool: KVPool) -> str | None:
-    """Why ``auto`` does not pick the compiled CPU decode kernel for this pool, or None when it does.
+def cpu_backend_unavailable_reason(pool: KVPool) -> str | None:
+    """Why ``auto`` does not pick the ``cpu`` backend (the compiled kernels) for this pool, or None when it does.
 
     Only 16-bit pools qualify: float32 is the oracle dtype, kept on the reference path.
     """
@@ -40,9 +40,9 @@ def cpu_kernel_unavailable_reason(pool: KVPool) -> str | None:
 
 def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None = None) -> AttentionBackend:
     """``torch`` (the reference), ``torch-cascade`` (the reference with shared-prefix decode), ``cpu`` (the
-    reference with decodes through the compiled paged kernel), ``flashinfer``, or ``auto``: FlashInfer when
-    CUDA and flashinfer are present; else ``cpu`` for a 16-bit CPU pool whose kernels build; else
-    ``torch-cascade``."""
+    reference's interface with decodes and bfloat16 prefills through the compiled kernels), ``flashinfer``,
+    or ``auto``: FlashInfer when CUDA and flashinfer are present; else ``cpu`` for a 16-bit CPU pool whose
+    kernels build; else ``torch-cascade``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKENDS)}")
     reason = flashinfer_unavailable_reason(pool) if name in ("auto", "flashinfer") else "not asked for"
@@ -54,7 +54,7 @@ def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None
         return FlashInferBackend(pool, num_qo_heads, scale)
     if name == "torch":
         return TorchReferenceBackend(pool, num_qo_heads, scale)
-    if name == "cpu" or (name == "auto" and cpu_kernel_unavailable_reason(pool) is None):
+    if name == "cpu" or (name == "auto" and cpu_backend_unavailable_reason(pool) is None):
         from radixkv.attention.cpu_paged import CpuPagedBackend
 
         return CpuPagedBackend(pool, num_qo_heads, scale)

@@ -50,6 +50,13 @@ class AttentionBatch:
         """``[batch + 1]`` int32 offsets of each request's query rows."""
         return np.concatenate([[0], np.cumsum(self.new_lens)]).astype(np.int32)
 
+    def query_rows(self, requests: Sequence[int]) -> np.ndarray:
+        """The flat query rows of ``requests`` (request indices, in order), int64."""
+        starts = self.qo_indptr
+        if not len(requests):
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(starts[r], starts[r + 1], dtype=np.int64) for r in requests])
+
 
 class AttentionBackend(Protocol):
     """What the model calls: plan once per step, run once per layer."""

@@ -71,8 +71,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         if prefills:
             indices, indptr = csr([np.asarray(batch.slots[r]) for r in prefills])
             qo_indptr = torch.from_numpy(np.cumsum([0] + [batch.new_lens[r] for r in prefills], dtype=np.int64))
-            rows = np.concatenate([np.arange(starts[r], starts[r] + batch.new_lens[r]) for r in prefills])
-            self._prefills = (indices, indptr, qo_indptr, torch.from_numpy(rows))
+            self._prefills = (indices, indptr, qo_indptr, torch.from_numpy(batch.query_rows(prefills)))
 
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
         indices, indptr = csr([np.asarray(batch.slots[r]) for r in rows])
@@ -81,10 +80,7 @@ class CpuPagedBackend(TorchReferenceBackend):
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]
         if self._all_decodes:  # a pure decode step: one kernel call, no row gathering or scattering
-            indices, indptr, _ = self._decodes
-            qd = q.to(self.pool.dtype).contiguous()
-            return self.kernels.paged_decode(qd, self.pool.k[layer], self.pool.v[layer], indices, indptr,
-                                             self.scale).to(q.dtype)
+            return self._paged_decode(q, layer)
         out = super().run(q, layer)  # reference prefills (if any) and the decodes
         if self._prefills is not None:
             indices, indptr, qo_indptr, rows = self._prefills
@@ -95,7 +91,12 @@ class CpuPagedBackend(TorchReferenceBackend):
         return out
 
     def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
-        indices, indptr, rows = self._decodes
-        qd = q[rows].to(self.pool.dtype).contiguous()  # [B, num_qo_heads, head_dim]
-        o = self.kernels.paged_decode(qd, self.pool.k[layer], self.pool.v[layer], indices, indptr, self.scale)
-        out[rows] = o.to(q.dtype)
+        rows = self._decodes[2]
+        out[rows] = self._paged_decode(q[rows], layer)
+
+    def _paged_decode(self, qd: torch.Tensor, layer: int) -> torch.Tensor:
+        """The planned decodes' attention; qd: their query rows ``[B, num_qo_heads, head_dim]``, in order."""
+        indices, indptr, _ = self._decodes
+        o = self.kernels.paged_decode(qd.to(self.pool.dtype).contiguous(), self.pool.k[layer], self.pool.v[layer],
+                                      indices, indptr, self.scale)
+        return o.to(qd.dtype)

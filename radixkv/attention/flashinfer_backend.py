@@ -65,8 +65,7 @@ class FlashInferBackend:
         pre = [r for r, n in enumerate(batch.new_lens) if n > 1]
         dec = [r for r, n in enumerate(batch.new_lens) if n == 1]
         to_dev = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
-        rows_pre = np.concatenate([np.arange(starts[r], starts[r] + batch.new_lens[r]) for r in pre]) if pre else []
-        self._rows = (torch.as_tensor(rows_pre, dtype=torch.long, device=dev),
+        self._rows = (torch.as_tensor(batch.query_rows(pre), dtype=torch.long, device=dev),
                       torch.as_tensor(starts[dec], dtype=torch.long, device=dev))
         self._has = (bool(pre), bool(dec))
         if pre:

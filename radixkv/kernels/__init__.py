@@ -1,9 +1,12 @@
-"""CPU kernels compiled on first use: paged decode attention that reads K/V in place.
+"""CPU kernels compiled on first use: paged attention that reads K/V in place, and fused layer steps.
 
 PyTorch has no op that attends over a paged pool without first gathering
 the K/V rows into a dense batch, and on a CPU that copy costs as much as the
-attention itself. ``cpu_kernels.cpp`` does the gather-free version (its
-header documents shapes and dtypes). It is built with
+attention itself; at decode batch sizes, a Llama layer's small elementwise
+ops cost more in dispatch than in arithmetic. ``cpu_kernels.cpp`` has
+``paged_decode`` and ``paged_prefill`` (gather-free attention) and
+``rms_norm``, ``rope_store`` and ``silu_mul`` (one call each); its comments
+document shapes and dtypes. It is built with
 ``torch.utils.cpp_extension`` the first time it is asked for (about 25 s on
 2 cores, then cached under ``~/.cache/torch_extensions``), for this
 machine's CPU (``-march=native``), so the cache is keyed by the CPU's
@@ -48,7 +51,7 @@ def _build() -> ModuleType | str:
 
 
 def load_cpu_kernels() -> ModuleType:
-    """The compiled CPU kernels (``paged_decode``, ``has_avx512_bf16``); builds them on first call."""
+    """The compiled CPU kernels (see the module docstring, and ``has_avx512_bf16``); builds them on first call."""
     built = _build()
     if isinstance(built, str):
         raise RuntimeError(f"radixkv's CPU kernels could not be built: {built}")

@@ -78,6 +78,6 @@ class CpuKernelOps(TorchOps):
 
 
 def ops_for_backend(backend: object) -> TorchOps:
-    """The ops that go with an attention backend: the compiled ones with the ``cpu`` backend's kernels."""
+    """The ops that go with an attention backend: the compiled ones with a backend that holds the kernels."""
     kernels = getattr(backend, "kernels", None)
-    return CpuKernelOps(kernels) if getattr(backend, "name", "") == "cpu" and kernels is not None else TorchOps()
+    return TorchOps() if kernels is None else CpuKernelOps(kernels)
