@@ -139,3 +139,34 @@ def test_decode_batch_of_one_and_many_agree():
     for r in range(3):
         backend.plan(AttentionBatch([batch.prefix_lens[r]], [1], [batch.slots[r]]))
         torch.testing.assert_close(backend.run(q[r : r + 1].contiguous(), 0), together[r : r + 1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_float32_linear(dtype, tol, rows, bias):
+    """Decode-sized linear layers from 8-column weight tiles: float32 arithmetic, rounded once."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("small_linear needs AVX2")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 37, generator=g).to(dtype)  # K = 37: a remainder after every unroll factor
+    w = torch.randn(24, 37, generator=g).to(dtype)
+    b = torch.randn(24, generator=g) if bias else None
+    tiles = w.view(3, 8, 37).transpose(1, 2).contiguous()
+    want = torch.nn.functional.linear(x.float(), w.float(), b).to(dtype)
+    torch.testing.assert_close(k.small_linear(x, tiles, b), want, atol=tol, rtol=tol)
+
+
+def test_small_linear_rounds_to_nearest_even_in_bfloat16():
+    """An identity weight returns x exactly; halfway sums round to even as c10::BFloat16 does."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("small_linear needs AVX2")
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    eye = torch.eye(16, dtype=torch.bfloat16)
+    assert torch.equal(k.small_linear(x, eye.view(2, 8, 16).transpose(1, 2).contiguous(), None), x)
+    x1 = torch.ones(1, 2, dtype=torch.bfloat16)
+    w = torch.tensor([[1.0, 2.0**-8]] * 8, dtype=torch.bfloat16)  # [8, 2]: every output is 1 + 2^-8
+    y = k.small_linear(x1, w.view(1, 8, 2).transpose(1, 2).contiguous(), None)
+    assert torch.equal(y, (torch.ones(1, 8) + 2.0 ** -8).to(torch.bfloat16))  # a tie: rounds to 1.0 (even)

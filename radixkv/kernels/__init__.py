@@ -5,8 +5,14 @@ the K/V rows into a dense batch, and on a CPU that copy costs as much as the
 attention itself; at decode batch sizes, a Llama layer's small elementwise
 ops cost more in dispatch than in arithmetic. ``cpu_kernels.cpp`` has
 ``paged_decode`` and ``paged_prefill`` (gather-free attention) and
-``rms_norm``, ``rope_store`` and ``silu_mul`` (one call each); its comments
-document shapes and dtypes. It is built with
+``rms_norm``, ``rope_store`` and ``silu_mul`` (one call each), and
+``small_linear`` (decode-sized linear layers straight from 16-bit weights);
+its comments document shapes and dtypes. Each has a path per instruction
+set: AVX-512 BF16 (bfloat16 dot products), AVX2 with FMA and F16C (float32
+arithmetic on any storage dtype, for CPUs such as Zen 3 that have no 16-bit
+matrix instructions), and portable loops; ``has_avx512_bf16()``,
+``has_avx2()`` and ``prefill_supported(dtype, head_dim)`` say which were
+compiled in. It is built with
 ``torch.utils.cpp_extension`` the first time it is asked for (about 25 s on
 2 cores, then cached under ``~/.cache/torch_extensions``), for this
 machine's CPU (``-march=native``), so the cache is keyed by the CPU's
@@ -51,7 +57,7 @@ def _build() -> ModuleType | str:
 
 
 def load_cpu_kernels() -> ModuleType:
-    """The compiled CPU kernels (see the module docstring, and ``has_avx512_bf16``); builds them on first call."""
+    """The compiled CPU kernels (see the module docstring); builds them on first call."""
     built = _build()
     if isinstance(built, str):
         raise RuntimeError(f"radixkv's CPU kernels could not be built: {built}")

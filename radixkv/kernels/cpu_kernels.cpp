@@ -14,17 +14,26 @@
 // Query head h reads KV head h / (H / Hkv). One task per (request, KV head) reads that head's K and V
 // rows once for the whole query group. Scores, softmax and the weighted sum of V are float32.
 // bfloat16 with a head_dim that is a multiple of 32 takes an AVX-512 path (BF16 dot products for
-// Q.K, float32 FMAs for P.V) where the compiler targets it; every other case takes portable loops.
+// Q.K, float32 FMAs for P.V) where the compiler targets it; on CPUs with AVX2 but no 16-bit dot products
+// (Zen 3, Haswell to Cascade Lake) any dtype with a head_dim that is a multiple of 8 takes a float32 AVX2
+// path; every other case takes portable loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <string>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #define RADIXKV_AVX512_BF16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXKV_AVX2 1
+#endif
+#if defined(RADIXKV_AVX512_BF16) || defined(RADIXKV_AVX2)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -339,6 +348,343 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
 }
 #endif
 
+// ---- AVX2 path: float32 arithmetic on any storage dtype ---------------------------------------
+// For CPUs without 16-bit dot-product instructions: K/V rows are widened to float32 as they are read
+// (bfloat16 by a shift, float16 by F16C) and every product is a float32 FMA. Scores, softmax and the
+// weighted sum of V stay float32 until the output is rounded once to the storage dtype.
+
+#ifdef RADIXKV_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// exp(x) for x <= 88 (lanes below -87 give about 1e-38, callers mask what must be exactly 0): 2^n * p(r)
+// with x = n ln2 + r, |r| <= ln2 / 2; relative error about 2e-7.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes t0 + j < n of a vector of 8 positions starting at t0.
+inline __m256 lanes_below(int64_t t0, int64_t n) {
+  const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), pos));
+}
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums as one vector.
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// p[0:n] = exp(s[0:n] - max) in place, zeros in [n, padded); returns 1 / sum. padded % 8 == 0, >= n.
+inline float softmax_row(float* s, int64_t n, int64_t padded) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (t = 0; t < padded; t += 8) {
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)), lanes_below(t, n));
+    total = _mm256_add_ps(total, p);
+    _mm256_storeu_ps(s + t, p);
+  }
+  _mm256_store_ps(lanes, total);
+  float sum = 0.f;
+  for (int j = 0; j < 8; ++j) sum += lanes[j];
+  return 1.f / sum;
+}
+
+// out[r][0:8C] = scale_r * sum_t p[r][t] * v[t][0:8C] for R rows at once; v rows float32 with stride vs.
+template <int R, int C>
+inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t n, const float* inv, float* const* out) {
+  __m256 acc[R][C];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(v + t * vs + 8 * c);
+    for (int j = 0; j < R; ++j) {
+      const __m256 w = _mm256_broadcast_ss(p[j] + t);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(w, vv[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[j] + 8 * c, _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
+}
+
+// pv_block over all of head_dim (vecs vectors of 8) in chunks of up to 4 vectors.
+template <int R>
+void pv_rows(const float* const* p, const float* v, int64_t vs, int64_t n, int64_t vecs, const float* inv,
+             float* const* out) {
+  for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
+    float* o[R];
+    for (int j = 0; j < R; ++j) o[j] = out[j] + 8 * c0;
+    switch (std::min<int64_t>(4, vecs - c0)) {
+      case 4: pv_block<R, 4>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 3: pv_block<R, 3>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 2: pv_block<R, 2>(p, v + 8 * c0, vs, n, inv, o); break;
+      default: pv_block<R, 1>(p, v + 8 * c0, vs, n, inv, o); break;
+    }
+  }
+}
+
+template <typename T>
+void widen_row(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+}
+
+template <typename T>
+void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const int64_t* indptr, T* out,
+                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale) {
+  const int64_t group = heads / kv_heads, vecs = d / 8, row_stride = kv_heads * d;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), kbuf(8 * d), vbuf, scores, obuf(group * d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t start = indptr[b], len = indptr[b + 1] - start, padded = (len + 7) / 8 * 8;
+      const T* qb = q + (b * heads + h * group) * d;  // the group's query rows are consecutive
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      scores.resize(group * padded);
+      vbuf.resize(len * d);
+      for (int64_t t0 = 0; t0 < len; t0 += 8) {  // scores of 8 tokens at a time: 8 dot products, one hsum
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t t = std::min(t0 + j, len - 1);  // past the end: a repeat, masked in the softmax
+          widen_row(k + idx[start + t] * row_stride + h * d, kbuf.data() + j * d, d);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          __m256 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < vecs; ++c) {
+            const __m256 qv = _mm256_loadu_ps(qf.data() + g * d + 8 * c);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbuf.data() + j * d + 8 * c), a[j]);
+          }
+          _mm256_storeu_ps(scores.data() + g * padded + t0, hsum8x8(a));
+        }
+      }
+      for (int64_t t = 0; t < len; ++t) widen_row(v + idx[start + t] * row_stride + h * d, vbuf.data() + t * d, d);
+      std::vector<float> inv(group);
+      for (int64_t g = 0; g < group; ++g) inv[g] = softmax_row(scores.data() + g * padded, len, padded);
+      int64_t g = 0;
+      for (; g + 2 <= group; g += 2) {
+        const float* p[2] = {scores.data() + g * padded, scores.data() + (g + 1) * padded};
+        float* o[2] = {obuf.data() + g * d, obuf.data() + (g + 1) * d};
+        pv_rows<2>(p, vbuf.data(), d, len, vecs, inv.data() + g, o);
+      }
+      if (g < group) {
+        const float* p[1] = {scores.data() + g * padded};
+        float* o[1] = {obuf.data() + g * d};
+        pv_rows<1>(p, vbuf.data(), d, len, vecs, inv.data() + g, o);
+      }
+      T* ob = out + (b * heads + h * group) * d;
+      for (int64_t i = 0; i < group * d; ++i) ob[i] = static_cast<T>(obuf[i]);
+    }
+  });
+}
+
+// Prefill chunks, causal after each request's cached prefix (the AVX-512 kernel's contract, any dtype):
+// K of each (request, KV head) is widened into tiles of 8 tokens, kt[tile][i][j] = k[8 tile + j][i],
+// so a query row's scores of 8 tokens are one broadcast-FMA per dimension; V into float32 rows.
+// Each task (request, KV head, block of queries) computes 4 rows x 16 tokens of scores at a time, an exact
+// float32 softmax per row, and P.V 2 rows x 32 dimensions at a time.
+constexpr int64_t kQueryBlockAvx2 = 16;
+
+template <typename T>
+void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, const int64_t* kv_indptr,
+                  const int64_t* qo_indptr, T* out, int64_t reqs, int64_t heads, int64_t kv_heads, int64_t d,
+                  float scale) {
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d, vecs = d / 8;
+  std::vector<int64_t> off(reqs * kv_heads + 1, 0);  // float offsets of each (request, head)'s packed K and V
+  for (int64_t r = 0; r < reqs; ++r)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t len = kv_indptr[r + 1] - kv_indptr[r], i = r * kv_heads + h;
+      off[i + 1] = off[i] + (len + 15) / 16 * 16 * d;
+    }
+  std::vector<float> kt(off.back()), vf(off.back());
+  at::parallel_for(0, reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads, len = kv_indptr[r + 1] - kv_indptr[r];
+      const int64_t* slots = kv_idx + kv_indptr[r];
+      float* ktr = kt.data() + off[i];
+      float* vr = vf.data() + off[i];
+      std::fill(ktr, ktr + (len + 15) / 16 * 16 * d, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        widen_row(k + slots[t] * row_stride + h * d, row.data(), d);
+        float* dst = ktr + (t / 8) * 8 * d + (t % 8);
+        for (int64_t c = 0; c < d; ++c) dst[c * 8] = row[c];
+        widen_row(v + slots[t] * row_stride + h * d, vr + t * d, d);
+      }
+    }
+  });
+  struct Task { int64_t r, h, i0, i1; };
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < reqs; ++r)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i0 = 0; i0 < qo_indptr[r + 1] - qo_indptr[r]; i0 += kQueryBlockAvx2)
+        tasks.push_back({r, h, i0, std::min(i0 + kQueryBlockAvx2, qo_indptr[r + 1] - qo_indptr[r])});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, sbuf, obuf, inv;
+    std::vector<int64_t> count;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& tk = tasks[ti];
+      const int64_t len = kv_indptr[tk.r + 1] - kv_indptr[tk.r], qlen = qo_indptr[tk.r + 1] - qo_indptr[tk.r];
+      const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group;
+      const int64_t width = (prefix + tk.i1 + 15) / 16 * 16;  // tokens the block's last query sees, padded
+      const float* ktp = kt.data() + off[tk.r * kv_heads + tk.h];
+      const float* vp = vf.data() + off[tk.r * kv_heads + tk.h];
+      qf.resize(rows * d);
+      sbuf.resize(rows * width);
+      obuf.resize(rows * d);
+      inv.resize(rows);
+      count.resize(rows);
+      for (int64_t row = 0; row < rows; ++row) {  // row = local query * group + g: rows ordered by visibility
+        const int64_t i = tk.i0 + row / group, g = row % group;
+        const T* src = q + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
+        for (int64_t c = 0; c < d; ++c) qf[row * d + c] = static_cast<float>(src[c]) * scale;
+        count[row] = prefix + i + 1;
+      }
+      for (int64_t row0 = 0; row0 < rows; row0 += 4) {  // scores: 4 rows x 16 tokens per inner loop
+        const int64_t nr = std::min<int64_t>(4, rows - row0);
+        const float* qr[4];
+        for (int64_t j = 0; j < 4; ++j) qr[j] = qf.data() + (row0 + std::min(j, nr - 1)) * d;
+        const int64_t span = (count[row0 + nr - 1] + 15) / 16 * 16;
+        for (int64_t t0 = 0; t0 < span; t0 += 16) {
+          const float* k0 = ktp + t0 * d;
+          const float* k1 = k0 + 8 * d;
+          __m256 a[4][2];
+          for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < d; ++c) {
+            const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
+            for (int j = 0; j < 4; ++j) {
+              const __m256 w = _mm256_broadcast_ss(qr[j] + c);
+              a[j][0] = _mm256_fmadd_ps(w, x0, a[j][0]);
+              a[j][1] = _mm256_fmadd_ps(w, x1, a[j][1]);
+            }
+          }
+          for (int64_t j = 0; j < nr; ++j) {
+            _mm256_storeu_ps(sbuf.data() + (row0 + j) * width + t0, a[j][0]);
+            _mm256_storeu_ps(sbuf.data() + (row0 + j) * width + t0 + 8, a[j][1]);
+          }
+        }
+        for (int64_t j = 0; j < nr; ++j)  // zeros from each row's last visible token to the pair's span
+          inv[row0 + j] = softmax_row(sbuf.data() + (row0 + j) * width, count[row0 + j], span);
+      }
+      int64_t row0 = 0;
+      for (; row0 + 2 <= rows; row0 += 2) {  // a row pair's P.V runs to its longer (second) row's count
+        const float* p[2] = {sbuf.data() + row0 * width, sbuf.data() + (row0 + 1) * width};
+        float* o[2] = {obuf.data() + row0 * d, obuf.data() + (row0 + 1) * d};
+        pv_rows<2>(p, vp, d, count[row0 + 1], vecs, inv.data() + row0, o);
+      }
+      if (row0 < rows) {
+        const float* p[1] = {sbuf.data() + row0 * width};
+        float* o[1] = {obuf.data() + row0 * d};
+        pv_rows<1>(p, vp, d, count[row0], vecs, inv.data() + row0, o);
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        const int64_t i = tk.i0 + row / group, g = row % group;
+        T* dst = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(obuf[row * d + c]);
+      }
+    }
+  });
+}
+#endif
+
+// ---- small-batch linear layers (decode) with 16-bit weights on AVX2 CPUs ---------------------
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) from wt [N / 8, K, 8], W repacked once into tiles of 8 output
+// features (same dtype as x): each tile streams once per 8 rows of x, widened to float32, against
+// broadcast x values; float32 FMAs; y rounded once. Where the CPU has no 16-bit matrix instructions,
+// oneDNN and MKL emulate 16-bit GEMMs several times slower than float32 ones, and a float32 copy of
+// the weights doubles what a decode step streams from memory; this reads the 16-bit weights as they are.
+
+#ifdef RADIXKV_AVX2
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::Half* p, __m256 x) {
+  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(c10::BFloat16* p, __m256 x) {  // round to nearest even, as c10::BFloat16 does (NaN stays NaN)
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+
+// MB rows of x (float32, stride k) against one tile; U independent partial sums per row hide FMA latency.
+template <typename T, int MB>
+inline void linear_tile(const float* x, const T* tile, int64_t k, const float* bias, T* y, int64_t ldy) {
+  constexpr int U = MB >= 8 ? 1 : (MB >= 4 ? 2 : (MB >= 2 ? 4 : 8));
+  __m256 acc[MB][U];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + U <= k; i += U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 w = load8(tile + (i + u) * 8);
+      for (int m = 0; m < MB; ++m) acc[m][u] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * k + i + u), w, acc[m][u]);
+    }
+  for (; i < k; ++i) {
+    const __m256 w = load8(tile + i * 8);
+    for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * k + i), w, acc[m][0]);
+  }
+  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int m = 0; m < MB; ++m) {
+    __m256 sum = b;
+    for (int u = 0; u < U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
+    store8(y + m * ldy, sum);
+  }
+}
+
+template <typename T>
+void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t rows, int64_t k, int64_t n) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = static_cast<float>(x[i]);
+  at::parallel_for(0, n / 8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* tile = wt + t * k * 8;
+      const float* b = bias != nullptr ? bias + t * 8 : nullptr;
+      for (int64_t m0 = 0; m0 < rows; m0 += 8) {
+        const float* xm = xf.data() + m0 * k;
+        T* ym = y + m0 * n + t * 8;
+        switch (std::min<int64_t>(8, rows - m0)) {
+          case 8: linear_tile<T, 8>(xm, tile, k, b, ym, n); break;
+          case 7: linear_tile<T, 7>(xm, tile, k, b, ym, n); break;
+          case 6: linear_tile<T, 6>(xm, tile, k, b, ym, n); break;
+          case 5: linear_tile<T, 5>(xm, tile, k, b, ym, n); break;
+          case 4: linear_tile<T, 4>(xm, tile, k, b, ym, n); break;
+          case 3: linear_tile<T, 3>(xm, tile, k, b, ym, n); break;
+          case 2: linear_tile<T, 2>(xm, tile, k, b, ym, n); break;
+          default: linear_tile<T, 1>(xm, tile, k, b, ym, n); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 // ---- fused elementwise ops, rounding like PyTorch's eager ops in the same dtype ----------------
 // Each op computes in float32 and rounds to T wherever the eager sequence it replaces rounds, so
 // float32 results equal the eager ones up to summation order, and 16-bit ones up to that and one
@@ -407,6 +753,24 @@ void rope_store_kernel(T* qkv, const T* cos, const T* sin, T* k_pool, T* v_pool,
 // out = to_T(silu(gate)) * up with gate_up [n, 2I] (gate columns first); out: [n, I].
 template <typename T>
 void silu_mul_kernel(const T* gate_up, T* out, int64_t n, int64_t inter) {
+#ifdef RADIXKV_AVX2
+  if constexpr (!std::is_same_v<T, double>) {
+    if (inter % 8 == 0) {  // 8 at a time; exp256 (2e-7 relative) in place of std::exp, the same roundings
+      at::parallel_for(0, n * inter / 8, 512, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          const int64_t r = e * 8 / inter, i = e * 8 % inter;
+          const T* gate = gate_up + r * 2 * inter + i;
+          const __m256 g = load8(gate);
+          const __m256 ex = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.f)));
+          T silu[8];
+          store8(silu, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), ex)));
+          store8(out + e * 8, _mm256_mul_ps(load8(silu), load8(gate + inter)));
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, n * inter, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       const int64_t r = e / inter, i = e % inter;
@@ -449,6 +813,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     return out;
   }
 #endif
+#ifdef RADIXKV_AVX2
+  if (d % 8 == 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        decode_avx2<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                              idx.data_ptr<int64_t>(), indptr.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+                              heads, kv_heads, d, static_cast<float>(scale));
+      } else {
+        decode_portable<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                                  idx.data_ptr<int64_t>(), indptr.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                  batch, heads, kv_heads, d, static_cast<float>(scale));
+      }
+    });
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_portable<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
                               idx.data_ptr<int64_t>(), indptr.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
@@ -457,18 +837,37 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   return out;
 }
 
+// Whether paged_prefill has a path for this storage dtype and head_dim on the CPU it was compiled for:
+// AVX-512 BF16 takes bfloat16 with head_dim 64 or 128; AVX2 (with FMA, F16C) any of the three dtypes
+// with a head_dim that is a multiple of 8.
+bool prefill_supported(const std::string& dtype, int64_t head_dim) {
+  bool ok = false;
+#ifdef RADIXKV_AVX512_BF16
+  ok = ok || (dtype == "bfloat16" && (head_dim == 64 || head_dim == 128));
+#endif
+#ifdef RADIXKV_AVX2
+  ok = ok || ((dtype == "float32" || dtype == "bfloat16" || dtype == "float16") && head_dim % 8 == 0);
+#endif
+  return ok;
+}
+
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
                             torch::Tensor kv_indptr, torch::Tensor qo_indptr, double scale) {
-  TORCH_CHECK(has_avx512_bf16(), "paged_prefill needs a CPU with AVX-512 BF16 (compiled for this machine)");
+  const std::string dtype = q.scalar_type() == at::kBFloat16 ? "bfloat16"
+                            : q.scalar_type() == at::kHalf   ? "float16"
+                            : q.scalar_type() == at::kFloat  ? "float32"
+                                                             : "other";
+  TORCH_CHECK(prefill_supported(dtype, q.size(-1)),
+              "paged_prefill has no path for ", dtype, " with head_dim ", q.size(-1), " on this CPU (see prefill_supported)");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "q [N, H, D], pools [S, Hkv, D]");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill runs on the CPU");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-              v_pool.scalar_type() == at::kBFloat16, "paged_prefill takes bfloat16");
+  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
+              "q and the pools must share a dtype");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
               qo_indptr.scalar_type() == at::kLong, "indices are int64");
   const int64_t heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2), reqs = qo_indptr.numel() - 1;
-  TORCH_CHECK(d == k_pool.size(2) && heads % kv_heads == 0 && (d == 64 || d == 128), "head_dim must be 64 or 128");
+  TORCH_CHECK(d == k_pool.size(2) && heads % kv_heads == 0, "head counts or head_dim differ");
   TORCH_CHECK(kv_indptr.numel() == reqs + 1, "kv_indptr and qo_indptr must have the same length");
   auto idx = kv_indices.contiguous();
   auto kv_ptr = kv_indptr.contiguous();
@@ -480,13 +879,25 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
     TORCH_CHECK(kvp[r + 1] - kvp[r] >= qop[r + 1] - qop[r], "a request has more query rows than KV positions");
   auto out = torch::empty_like(q);
 #ifdef RADIXKV_AVX512_BF16
-  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-  auto run = [&](auto kernel) {
-    kernel(ptr(q), ptr(k_pool), ptr(v_pool), idx.data_ptr<int64_t>(), kv_ptr.data_ptr<int64_t>(),
-           qo_ptr.data_ptr<int64_t>(), ptr(out), reqs, heads, kv_heads, static_cast<float>(scale));
-  };
-  if (d == 64) run(prefill_bf16_avx512<64>);
-  else run(prefill_bf16_avx512<128>);
+  if (dtype == "bfloat16" && (d == 64 || d == 128)) {
+    auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    auto run = [&](auto kernel) {
+      kernel(ptr(q), ptr(k_pool), ptr(v_pool), idx.data_ptr<int64_t>(), kv_ptr.data_ptr<int64_t>(),
+             qo_ptr.data_ptr<int64_t>(), ptr(out), reqs, heads, kv_heads, static_cast<float>(scale));
+    };
+    if (d == 64) run(prefill_bf16_avx512<64>);
+    else run(prefill_bf16_avx512<128>);
+    return out;
+  }
+#endif
+#ifdef RADIXKV_AVX2
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      prefill_avx2<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                             idx.data_ptr<int64_t>(), kv_ptr.data_ptr<int64_t>(), qo_ptr.data_ptr<int64_t>(),
+                             out.data_ptr<scalar_t>(), reqs, heads, kv_heads, d, static_cast<float>(scale));
+    }
+  });
 #endif
   return out;
 }
@@ -535,9 +946,43 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+bool has_avx2() {
+#ifdef RADIXKV_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] and wt [N / 8, K, 8] in one 16-bit dtype (or float32), bias [N] float32 or none -> y [M, N].
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(has_avx2(), "small_linear needs a CPU with AVX2, FMA and F16C (compiled for this machine)");
+  TORCH_CHECK(x.dim() == 2 && wt.dim() == 3 && wt.size(2) == 8 && wt.size(1) == x.size(1),
+              "small_linear: x [M, K], wt [N / 8, K, 8]");
+  TORCH_CHECK(x.scalar_type() == wt.scalar_type() && wt.is_contiguous(), "small_linear: x and wt share a dtype");
+  const int64_t n = wt.size(0) * 8;
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                        "small_linear: bias [N] float32");
+  auto xc = x.contiguous();
+  auto y = torch::empty({x.size(0), n}, x.options());
+#ifdef RADIXKV_AVX2
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "small_linear", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      small_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(),
+                                  bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<scalar_t>(), x.size(0),
+                                  x.size(1), n);
+    }
+  });
+#endif
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear, "Small-batch linear layer from 8-column weight tiles (AVX2)");
+  m.def("has_avx2", &has_avx2, "Whether the AVX2 (FMA, F16C) paths were compiled in");
   m.def("paged_decode", &paged_decode, "Paged decode attention on the CPU (see the file's header)");
-  m.def("paged_prefill", &paged_prefill, "Paged causal prefill attention, bfloat16, AVX-512 BF16 (see above)");
+  m.def("paged_prefill", &paged_prefill, "Paged causal prefill attention (see prefill_supported)");
+  m.def("prefill_supported", &prefill_supported, "Whether paged_prefill takes this dtype name and head_dim here");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding x into residual in place");
   m.def("rope_store", &rope_store, "RoPE on qkv's q and k heads in place, k and v stored in the pools");
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.kv_pool import KVPool
 from radixkv.model.ops import TorchOps
 
@@ -152,45 +154,88 @@ class _Decoder(nn.Module):
 class PackedLinear(nn.Module):
     """A linear layer whose weight oneDNN has reordered into its blocked CPU layout once, at load time.
 
-    Measured on 2 cores in bfloat16: 1.3x faster at 1 token and 1.5x at 8
-    (decode batches), equal at 1,200 (prefill), with bit-identical outputs.
+    Measured on 2 cores in bfloat16 (AVX-512 BF16): 1.3x faster at 1 token and
+    1.5x at 8 (decode batches), equal at 1,200 (prefill), with bit-identical
+    outputs. With ``compute_dtype=torch.float32`` a 16-bit layer keeps its
+    16-bit interface but multiplies in float32: the weight is upcast once
+    (exactly) and each call computes ``round16(float32(x) @ W.T + b)``, the
+    arithmetic of a 16-bit GEMM that accumulates in float32, for CPUs without
+    16-bit matrix instructions, where oneDNN and MKL emulate 16-bit GEMMs
+    about 4x slower than float32 ones (measured on an AVX2-only EPYC: oneDNN
+    float32 139 GFLOP/s against 15 for bfloat16 at 150 rows).
+    Decode batches (at most ``small_rows`` tokens) of such an upcast layer
+    go through ``small_kernels.small_linear`` instead when given (the
+    compiled AVX2 kernel reading the 16-bit weights, repacked into
+    ``tiles`` ``[out / 8, in, 8]``): a float32 copy would double what each
+    decode step streams, and oneDNN's float32 GEMM is far from peak at 1-8 rows.
     The packed weight is opaque: it cannot be moved, cast or saved, so
     packing is the last step before serving (``pack_linears``).
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 8):
+    def __init__(self, linear: nn.Linear, batch_hint: int = 8, compute_dtype: torch.dtype | None = None,
+                 small_kernels: ModuleType | None = None, small_rows: int = 16):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.dtype = linear.weight.dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
+        self.small_kernels, self.small_rows, self.tiles = None, small_rows, None
+        if small_kernels is not None and self.compute_dtype != self.dtype and self.out_features % 8 == 0:
+            self.small_kernels = small_kernels
+            n, k = weight.shape
+            self.tiles = weight.view(n // 8, 8, k).transpose(1, 2).contiguous()  # [out / 8, in, 8]
+            self.bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # x: [num_tokens, in_features] -> [num_tokens, out_features], both in the layer's dtype
+        if self.small_kernels is not None and x.shape[0] <= self.small_rows:
+            return self.small_kernels.small_linear(x, self.tiles, self.bias32)
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
+        return y.to(self.dtype)
+
+
+def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``pack_linears`` multiplies ``model``'s weights in on this CPU, or None where it leaves them.
+
+    16-bit weights multiply in their own dtype where oneDNN supports it (AVX-512
+    BF16 / FP16, AMX) and in float32 elsewhere; float32 weights are left as
+    they are (the exact oracle), as are weights on other devices.
+    """
+    p = next(model.parameters())
+    mkldnn = torch.ops.mkldnn
+    if p.device.type != "cpu" or p.dtype == torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")):
+        return None
+    native = {torch.bfloat16: mkldnn._is_mkldnn_bf16_supported, torch.float16: mkldnn._is_mkldnn_fp16_supported}
+    if p.dtype not in native:
+        return None
+    return p.dtype if native[p.dtype]() else torch.float32
 
 
 def can_pack_linears(model: nn.Module) -> bool:
     """Packing pays, and is exact, for 16-bit weights on a CPU whose oneDNN supports that dtype."""
-    p = next(model.parameters())
-    mkldnn = torch.ops.mkldnn
-    if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")):
-        return False
-    if p.dtype == torch.bfloat16:
-        return bool(mkldnn._is_mkldnn_bf16_supported())
-    # fp16 needs AVX512-FP16 or AVX-NE-CONVERT, which many CPUs lack
-    return p.dtype == torch.float16 and bool(mkldnn._is_mkldnn_fp16_supported())
+    return linear_compute_dtype(model) not in (None, torch.float32)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` where ``can_pack_linears``; returns how many."""
-    if not can_pack_linears(model):
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` computing in ``linear_compute_dtype``.
+
+    Returns how many were replaced (0 where that dtype is None).
+    """
+    compute = linear_compute_dtype(model)
+    if compute is None:
         return 0
+    small = None
+    if compute != next(model.parameters()).dtype and cpu_kernels_unavailable_reason() is None:
+        kernels = load_cpu_kernels()
+        small = kernels if kernels.has_avx2() else None
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, compute_dtype=compute, small_kernels=small))
     return len(targets)
 
 
