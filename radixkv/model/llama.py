@@ -186,12 +186,11 @@ class PackedLinear(nn.Module):
             self.small_kernels = small_kernels
             n, k = weight.shape
             self.tiles = weight.view(n // 8, 8, k).transpose(1, 2).contiguous()  # [out / 8, in, 8]
-            self.bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features], both in the layer's dtype
         if self.small_kernels is not None and x.shape[0] <= self.small_rows:
-            return self.small_kernels.small_linear(x, self.tiles, self.bias32)
+            return self.small_kernels.small_linear(x, self.tiles, self.bias)  # bias: float32 here
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
         return y.to(self.dtype)
 
