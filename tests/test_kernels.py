@@ -26,6 +26,7 @@ CASES = {
     "mixed prefill, prefix prefill and decode": ([0, 17, 31, 4], [9, 5, 1, 1]),
     "one-token and two-token chunks": ([30, 0, 8], [1, 2, 2]),
     "long chunks after long prefixes": ([300, 0], [70, 45]),
+    "decodes over contexts split into several parts": ([600, 256, 0], [1, 1, 1]),
 }
 
 
@@ -139,6 +140,23 @@ def test_decode_batch_of_one_and_many_agree():
     for r in range(3):
         backend.plan(AttentionBatch([batch.prefix_lens[r]], [1], [batch.slots[r]]))
         torch.testing.assert_close(backend.run(q[r : r + 1].contiguous(), 0), together[r : r + 1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_decode_reads_scattered_slots(dtype, tol):
+    """A request's slots in any order anywhere in the pool (a fragmented free list): the same attention."""
+    g = torch.Generator().manual_seed(3)
+    lens, kv_heads, group, d = [700, 33], 3, 3, 64
+    pool_k = torch.randn(2000, kv_heads, d, generator=g).to(dtype)
+    pool_v = torch.randn(2000, kv_heads, d, generator=g).to(dtype)
+    perm = torch.randperm(2000, generator=g)
+    slots = [perm[:lens[0]], perm[lens[0]:sum(lens)]]
+    q = torch.randn(2, kv_heads * group, d, generator=g).to(dtype)
+    out = kernels().paged_decode(q, pool_k, pool_v, torch.cat(slots), torch.tensor([0, lens[0], sum(lens)]), d**-0.5)
+    for r, s in enumerate(slots):
+        dense = [(pool_k[s], pool_v[s])]
+        want = dense_attention(q[r : r + 1], dense, [len(s) - 1], [1], group=group)
+        torch.testing.assert_close(out[r : r + 1].float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])

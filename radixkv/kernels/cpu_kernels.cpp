@@ -11,8 +11,8 @@
 //   kv_indices: [nnz]  int64     slots of request b are kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
 //   kv_indptr:  [B + 1] int64
 //   out:        [B, H, D]        same dtype as q
-// Query head h reads KV head h / (H / Hkv). One task per (request, KV head) reads that head's K and V
-// rows once for the whole query group. Scores, softmax and the weighted sum of V are float32.
+// Query head h reads KV head h / (H / Hkv); each K and V row is read once for the whole query group.
+// Scores, softmax and the weighted sum of V are float32.
 // bfloat16 with a head_dim that is a multiple of 32 takes an AVX-512 path (BF16 dot products for
 // Q.K, float32 FMAs for P.V) where the compiler targets it; on CPUs with AVX2 but no 16-bit dot products
 // (Zen 3, Haswell to Cascade Lake) any dtype with a head_dim that is a multiple of 8 takes a float32 AVX2
@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -354,6 +355,11 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
 // weighted sum of V stay float32 until the output is rounded once to the storage dtype.
 
 #ifdef RADIXKV_AVX2
+// Loops over small arrays of vector registers (accumulators, a tile's vectors) are unrolled at the
+// source: unrolled late, GCC keeps such an array in registers but still stores every element to the
+// stack on each iteration, which made the FMA loops store-bound (small_linear at 8 rows ran at a third
+// of its FMA rate).
+#define RADIXKV_UNROLL _Pragma("GCC unroll 16")
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -392,8 +398,9 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// p[0:n] = exp(s[0:n] - max) in place, zeros in [n, padded); returns 1 / sum. padded % 8 == 0, >= n.
-inline float softmax_row(float* s, int64_t n, int64_t padded) {
+// p[0:n] = exp(s[0:n] - max) in place, zeros in [n, padded); returns 1 / sum and, if asked, max.
+// padded % 8 == 0, >= n.
+inline float softmax_row(float* s, int64_t n, int64_t padded, float* max_out = nullptr) {
   __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
@@ -402,6 +409,7 @@ inline float softmax_row(float* s, int64_t n, int64_t padded) {
   float m = lanes[0];
   for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
   for (; t < n; ++t) m = std::max(m, s[t]);
+  if (max_out != nullptr) *max_out = m;
   const __m256 mv = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
   for (t = 0; t < padded; t += 8) {
@@ -416,35 +424,45 @@ inline float softmax_row(float* s, int64_t n, int64_t padded) {
 }
 
 // out[r][0:8C] = scale_r * sum_t p[r][t] * v[t][0:8C] for R rows at once; v rows float32 with stride vs.
-template <int R, int C>
+// Accumulate: out[r] += the unscaled sum instead (inv unused).
+template <int R, int C, bool Accumulate = false>
 inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t n, const float* inv, float* const* out) {
   __m256 acc[R][C];
+  RADIXKV_UNROLL
   for (int j = 0; j < R; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = _mm256_setzero_ps();
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c) acc[j][c] = Accumulate ? _mm256_loadu_ps(out[j] + 8 * c) : _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m256 vv[C];
+    RADIXKV_UNROLL
     for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(v + t * vs + 8 * c);
+    RADIXKV_UNROLL
     for (int j = 0; j < R; ++j) {
       const __m256 w = _mm256_broadcast_ss(p[j] + t);
+      RADIXKV_UNROLL
       for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(w, vv[c], acc[j][c]);
     }
   }
+  RADIXKV_UNROLL
   for (int j = 0; j < R; ++j)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[j] + 8 * c, _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(out[j] + 8 * c, Accumulate ? acc[j][c] : _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
 }
 
 // pv_block over all of head_dim (vecs vectors of 8) in chunks of up to 4 vectors.
-template <int R>
+template <int R, bool Accumulate = false>
 void pv_rows(const float* const* p, const float* v, int64_t vs, int64_t n, int64_t vecs, const float* inv,
              float* const* out) {
   for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
     float* o[R];
+    RADIXKV_UNROLL
     for (int j = 0; j < R; ++j) o[j] = out[j] + 8 * c0;
     switch (std::min<int64_t>(4, vecs - c0)) {
-      case 4: pv_block<R, 4>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 3: pv_block<R, 3>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 2: pv_block<R, 2>(p, v + 8 * c0, vs, n, inv, o); break;
-      default: pv_block<R, 1>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 4: pv_block<R, 4, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 3: pv_block<R, 3, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 2: pv_block<R, 2, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
+      default: pv_block<R, 1, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
     }
   }
 }
@@ -455,51 +473,126 @@ void widen_row(const T* src, float* dst, int64_t d) {
 }
 
 template <typename T>
+inline void prefetch_row(const T* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// Decode reads each slot's K row and V row for all KV heads at once (one contiguous run of the pool)
+// and prefetches rows this many tokens ahead: slots need not be consecutive, so the hardware
+// prefetcher cannot guess them. Without it the kernel waited on memory most of the time.
+constexpr int64_t kDecodePrefetchK = 16, kDecodePrefetchV = 32;
+constexpr int64_t kDecodeVBlock = 32;  // V rows widened per block: 32 x Hkv x D float32 stays in L1
+constexpr int64_t kDecodePart = 256;   // tokens per task: a long context splits across threads (flash-decoding)
+
+// Attention of one query row per head over tokens slots[0:n) of one request, all heads: for each
+// query head qh, m[qh] = its largest score, l[qh] = sum_t exp(s_t - m), acc[qh] = sum_t exp(s_t - m) v_t
+// (unnormalized, so parts of one request merge exactly). qf: [H, D] float32, already scaled.
+template <typename T>
+void decode_part_avx2(const float* qf, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t heads,
+                      int64_t kv_heads, int64_t d, float* m, float* l, float* acc, std::vector<float>& kvbuf,
+                      std::vector<float>& scores) {
+  const int64_t group = heads / kv_heads, vecs = d / 8, row = kv_heads * d, padded = (n + 7) / 8 * 8;
+  kvbuf.resize(std::max<int64_t>(8, kDecodeVBlock) * row);
+  scores.resize(heads * padded);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores of 8 tokens at a time: 8 dot products, one hsum
+    for (int64_t j = 0; j < 8; ++j) {
+      if (t0 + j + kDecodePrefetchK < n) prefetch_row(k + slots[t0 + j + kDecodePrefetchK] * row, row * sizeof(T));
+      const int64_t t = std::min(t0 + j, n - 1);  // past the end: a repeat, masked in the softmax
+      widen_row(k + slots[t] * row, kvbuf.data() + j * row, row);
+    }
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      const float* kh = kvbuf.data() + (qh / group) * d;
+      __m256 a[8];
+      RADIXKV_UNROLL
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < vecs; ++c) {
+        const __m256 qv = _mm256_loadu_ps(qf + qh * d + 8 * c);
+        RADIXKV_UNROLL
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + j * row + 8 * c), a[j]);
+      }
+      _mm256_storeu_ps(scores.data() + qh * padded + t0, hsum8x8(a));
+    }
+  }
+  for (int64_t qh = 0; qh < heads; ++qh) l[qh] = 1.f / softmax_row(scores.data() + qh * padded, n, padded, m + qh);
+  std::fill(acc, acc + heads * d, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kDecodeVBlock) {
+    const int64_t nb = std::min(kDecodeVBlock, n - t0);
+    for (int64_t j = 0; j < nb; ++j) {
+      if (t0 + j + kDecodePrefetchV < n) prefetch_row(v + slots[t0 + j + kDecodePrefetchV] * row, row * sizeof(T));
+      widen_row(v + slots[t0 + j] * row, kvbuf.data() + j * row, row);
+    }
+    for (int64_t qh = 0; qh < heads; qh += std::min<int64_t>(2, group - qh % group)) {
+      const float* vh = kvbuf.data() + (qh / group) * d;
+      const float* p[2] = {scores.data() + qh * padded + t0, scores.data() + (qh + 1) * padded + t0};
+      float* o[2] = {acc + qh * d, acc + (qh + 1) * d};
+      if (qh % group + 2 <= group) pv_rows<2, true>(p, vh, row, nb, vecs, nullptr, o);
+      else pv_rows<1, true>(p, vh, row, nb, vecs, nullptr, o);
+    }
+  }
+}
+
+template <typename T>
 void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const int64_t* indptr, T* out,
                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, float scale) {
-  const int64_t group = heads / kv_heads, vecs = d / 8, row_stride = kv_heads * d;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), kbuf(8 * d), vbuf, scores, obuf(group * d);
+  std::vector<int64_t> first(batch + 1, 0);  // tasks of request b: first[b] .. first[b + 1]
+  for (int64_t b = 0; b < batch; ++b)
+    first[b + 1] = first[b] + std::max<int64_t>(1, (indptr[b + 1] - indptr[b] + kDecodePart - 1) / kDecodePart);
+  const int64_t tasks = first[batch], hd = heads * d;
+  std::vector<float> m(tasks * heads), l(tasks * heads), acc(tasks * hd);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hd), kvbuf, scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const int64_t start = indptr[b], len = indptr[b + 1] - start, padded = (len + 7) / 8 * 8;
-      const T* qb = q + (b * heads + h * group) * d;  // the group's query rows are consecutive
-      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
-      scores.resize(group * padded);
-      vbuf.resize(len * d);
-      for (int64_t t0 = 0; t0 < len; t0 += 8) {  // scores of 8 tokens at a time: 8 dot products, one hsum
-        for (int64_t j = 0; j < 8; ++j) {
-          const int64_t t = std::min(t0 + j, len - 1);  // past the end: a repeat, masked in the softmax
-          widen_row(k + idx[start + t] * row_stride + h * d, kbuf.data() + j * d, d);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          __m256 a[8];
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < vecs; ++c) {
-            const __m256 qv = _mm256_loadu_ps(qf.data() + g * d + 8 * c);
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbuf.data() + j * d + 8 * c), a[j]);
-          }
-          _mm256_storeu_ps(scores.data() + g * padded + t0, hsum8x8(a));
-        }
+      const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t t0 = (task - first[b]) * kDecodePart;
+      const int64_t n = std::min(kDecodePart, indptr[b + 1] - indptr[b] - t0);
+      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(q[b * hd + i]) * scale;
+      if (n > 0) {
+        decode_part_avx2(qf.data(), k, v, idx + indptr[b] + t0, n, heads, kv_heads, d, m.data() + task * heads,
+                         l.data() + task * heads, acc.data() + task * hd, kvbuf, scores);
+      } else {  // no tokens: a part that adds nothing
+        std::fill(m.data() + task * heads, m.data() + (task + 1) * heads, 0.f);
+        std::fill(l.data() + task * heads, l.data() + (task + 1) * heads, 0.f);
+        std::fill(acc.data() + task * hd, acc.data() + (task + 1) * hd, 0.f);
       }
-      for (int64_t t = 0; t < len; ++t) widen_row(v + idx[start + t] * row_stride + h * d, vbuf.data() + t * d, d);
-      std::vector<float> inv(group);
-      for (int64_t g = 0; g < group; ++g) inv[g] = softmax_row(scores.data() + g * padded, len, padded);
-      int64_t g = 0;
-      for (; g + 2 <= group; g += 2) {
-        const float* p[2] = {scores.data() + g * padded, scores.data() + (g + 1) * padded};
-        float* o[2] = {obuf.data() + g * d, obuf.data() + (g + 1) * d};
-        pv_rows<2>(p, vbuf.data(), d, len, vecs, inv.data() + g, o);
-      }
-      if (g < group) {
-        const float* p[1] = {scores.data() + g * padded};
-        float* o[1] = {obuf.data() + g * d};
-        pv_rows<1>(p, vbuf.data(), d, len, vecs, inv.data() + g, o);
-      }
-      T* ob = out + (b * heads + h * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) ob[i] = static_cast<T>(obuf[i]);
     }
   });
+  for (int64_t b = 0; b < batch; ++b)  // merge each request's parts: rescale to the largest max
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) mx = std::max(mx, m[t * heads + qh]);
+      std::vector<float> o(d, 0.f);
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+        const float w = std::exp(m[t * heads + qh] - mx);
+        total += w * l[t * heads + qh];
+        for (int64_t c = 0; c < d; ++c) o[c] += w * acc[t * hd + qh * d + c];
+      }
+      for (int64_t c = 0; c < d; ++c) out[b * hd + qh * d + c] = static_cast<T>(total > 0.f ? o[c] / total : 0.f);
+    }
+}
+
+// dst[j][0:16] = q_j . k_t for 4 query rows and the 16 tokens of two kt tiles (k0: [d][8], then the next
+// tile); only rows j < nr are stored. Every index into the accumulators is a constant after unrolling, so
+// they stay in registers.
+inline void scores_4x16(const float* const* qr, const float* k0, int64_t d, float* const* dst, int64_t nr) {
+  const float* k1 = k0 + 8 * d;
+  __m256 a[4][2];
+  RADIXKV_UNROLL
+  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
+    RADIXKV_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_broadcast_ss(qr[j] + c);
+      a[j][0] = _mm256_fmadd_ps(w, x0, a[j][0]);
+      a[j][1] = _mm256_fmadd_ps(w, x1, a[j][1]);
+    }
+  }
+  RADIXKV_UNROLL
+  for (int j = 0; j < 4; ++j)
+    if (j < nr) {
+      _mm256_storeu_ps(dst[j], a[j][0]);
+      _mm256_storeu_ps(dst[j] + 8, a[j][1]);
+    }
 }
 
 // Prefill chunks, causal after each request's cached prefix (the AVX-512 kernel's contract, any dtype):
@@ -570,22 +663,9 @@ void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, con
         for (int64_t j = 0; j < 4; ++j) qr[j] = qf.data() + (row0 + std::min(j, nr - 1)) * d;
         const int64_t span = (count[row0 + nr - 1] + 15) / 16 * 16;
         for (int64_t t0 = 0; t0 < span; t0 += 16) {
-          const float* k0 = ktp + t0 * d;
-          const float* k1 = k0 + 8 * d;
-          __m256 a[4][2];
-          for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < d; ++c) {
-            const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
-            for (int j = 0; j < 4; ++j) {
-              const __m256 w = _mm256_broadcast_ss(qr[j] + c);
-              a[j][0] = _mm256_fmadd_ps(w, x0, a[j][0]);
-              a[j][1] = _mm256_fmadd_ps(w, x1, a[j][1]);
-            }
-          }
-          for (int64_t j = 0; j < nr; ++j) {
-            _mm256_storeu_ps(sbuf.data() + (row0 + j) * width + t0, a[j][0]);
-            _mm256_storeu_ps(sbuf.data() + (row0 + j) * width + t0 + 8, a[j][1]);
-          }
+          float* dst[4];
+          for (int64_t j = 0; j < 4; ++j) dst[j] = sbuf.data() + (row0 + std::min(j, nr - 1)) * width + t0;
+          scores_4x16(qr, ktp + t0 * d, d, dst, nr);
         }
         for (int64_t j = 0; j < nr; ++j)  // zeros from each row's last visible token to the pair's span
           inv[row0 + j] = softmax_row(sbuf.data() + (row0 + j) * width, count[row0 + j], span);
@@ -638,21 +718,28 @@ template <typename T, int MB>
 inline void linear_tile(const float* x, const T* tile, int64_t k, const float* bias, T* y, int64_t ldy) {
   constexpr int U = MB >= 8 ? 1 : (MB >= 4 ? 2 : (MB >= 2 ? 4 : 8));
   __m256 acc[MB][U];
+  RADIXKV_UNROLL
   for (int m = 0; m < MB; ++m)
+    RADIXKV_UNROLL
     for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + U <= k; i += U)
+    RADIXKV_UNROLL
     for (int u = 0; u < U; ++u) {
       const __m256 w = load8(tile + (i + u) * 8);
+      RADIXKV_UNROLL
       for (int m = 0; m < MB; ++m) acc[m][u] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * k + i + u), w, acc[m][u]);
     }
   for (; i < k; ++i) {
     const __m256 w = load8(tile + i * 8);
+    RADIXKV_UNROLL
     for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * k + i), w, acc[m][0]);
   }
   const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  RADIXKV_UNROLL
   for (int m = 0; m < MB; ++m) {
     __m256 sum = b;
+    RADIXKV_UNROLL
     for (int u = 0; u < U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
     store8(y + m * ldy, sum);
   }
