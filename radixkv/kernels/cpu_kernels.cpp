@@ -334,14 +334,21 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
             a1[c] = _mm512_dpbf16_ps(a1[c], w1, vv);
           }
         }
+        // Only constant indices into a0 / a1 (a runtime choice between them kept both arrays on the
+        // stack, stored every iteration of the loop above): spill the sums once, then round each row.
+        alignas(64) float sums[2][d];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < vecs; ++c) {
+          _mm512_store_ps(sums[0] + c * 16, a0[c]);
+          _mm512_store_ps(sums[1] + c * 16, a1[c]);
+        }
         for (int64_t j = 0; j < nr; ++j) {
           const int64_t row = row0 + j, i = tk.i0 + row / group, g = row % group;
           uint16_t* o = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
           const __m512 s = _mm512_set1_ps(inv_sum[row]);
-          __m512* a = j == 0 ? a0 : a1;
           for (int64_t c = 0; c < vecs; c += 2)
-            _mm512_storeu_si512(o + c * 16,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(a[c + 1], s), _mm512_mul_ps(a[c], s)));
+            _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16 + 16), s),
+                                                                         _mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16), s)));
         }
       }
     }
