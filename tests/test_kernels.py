@@ -72,9 +72,18 @@ def test_kernels_reject_bad_shapes_clearly():
         k.paged_decode(q, pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 4]), 0.125)
     with pytest.raises(RuntimeError, match="share a dtype"):
         k.paged_decode(q.float(), pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 2, 4]), 0.125)
-    if k.has_avx512_bf16():
+    with pytest.raises(RuntimeError, match="index into kv_indices"):  # would read past kv_indices
+        k.paged_decode(q, pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 2, 5]), 0.125)
+    with pytest.raises(RuntimeError, match="slots of the pool"):
+        k.paged_decode(q, pool.k[0], pool.v[0], torch.tensor([0, 1, 16, 3]), torch.tensor([0, 2, 4]), 0.125)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        k.paged_decode(q, pool.k[0], pool.v[0], torch.arange(4), torch.tensor([0, 3, 2]), 0.125)
+    if k.prefill_supported("bfloat16", 64):
         with pytest.raises(RuntimeError, match="more query rows"):
             k.paged_prefill(q, pool.k[0], pool.v[0], torch.arange(1), torch.tensor([0, 1]), torch.tensor([0, 2]), 0.1)
+        with pytest.raises(RuntimeError, match="slots of the pool"):
+            k.paged_prefill(q, pool.k[0], pool.v[0], torch.tensor([0, 99]), torch.tensor([0, 2]), torch.tensor([0, 2]),
+                            0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

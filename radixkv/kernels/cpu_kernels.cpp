@@ -885,6 +885,20 @@ bool has_avx512_bf16() {
 #endif
 }
 
+// The KV CSR metadata of `reqs` requests can be read as it is: kv_indptr within kv_indices and not
+// decreasing, every slot inside the pool (a clear error instead of a read past the pool).
+void check_kv_csr(const torch::Tensor& idx, const int64_t* ip, int64_t reqs, int64_t pool_slots) {
+  TORCH_CHECK(ip[0] >= 0 && ip[reqs] <= idx.numel(), "kv_indptr must index into kv_indices");
+  for (int64_t r = 0; r < reqs; ++r) TORCH_CHECK(ip[r + 1] >= ip[r], "kv_indptr must not decrease");
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  int64_t lo = 0, hi = 0;  // one pass (vectorized min / max), not a branch per slot
+  for (int64_t i = ip[0]; i < ip[reqs]; ++i) {
+    lo = std::min(lo, ix[i]);
+    hi = std::max(hi, ix[i]);
+  }
+  TORCH_CHECK(lo >= 0 && (ip[reqs] == ip[0] || hi < pool_slots), "kv_indices must be slots of the pool");
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
                            torch::Tensor kv_indptr, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "q [B, H, D], pools [S, Hkv, D]");
@@ -899,6 +913,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   auto indptr = kv_indptr.contiguous();
   auto out = torch::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2);
+  check_kv_csr(idx, indptr.data_ptr<int64_t>(), batch, k_pool.size(0));
 #ifdef RADIXKV_AVX512_BF16
   if (q.scalar_type() == at::kBFloat16 && d % 32 == 0 && d <= 32 * kMaxChunks && heads / kv_heads <= kMaxGroup) {
     auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
@@ -962,15 +977,18 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
               qo_indptr.scalar_type() == at::kLong, "indices are int64");
   const int64_t heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2), reqs = qo_indptr.numel() - 1;
   TORCH_CHECK(d == k_pool.size(2) && heads % kv_heads == 0, "head counts or head_dim differ");
-  TORCH_CHECK(kv_indptr.numel() == reqs + 1, "kv_indptr and qo_indptr must have the same length");
+  TORCH_CHECK(reqs >= 0 && kv_indptr.numel() == reqs + 1, "kv_indptr and qo_indptr must have the same length");
   auto idx = kv_indices.contiguous();
   auto kv_ptr = kv_indptr.contiguous();
   auto qo_ptr = qo_indptr.contiguous();
   const int64_t* kvp = kv_ptr.data_ptr<int64_t>();
   const int64_t* qop = qo_ptr.data_ptr<int64_t>();
-  TORCH_CHECK(qop[reqs] == q.size(0), "qo_indptr must end at the number of query rows");
-  for (int64_t r = 0; r < reqs; ++r)
+  TORCH_CHECK(qop[0] == 0 && qop[reqs] == q.size(0), "qo_indptr must run from 0 to the number of query rows");
+  check_kv_csr(idx, kvp, reqs, k_pool.size(0));
+  for (int64_t r = 0; r < reqs; ++r) {
+    TORCH_CHECK(qop[r + 1] >= qop[r], "qo_indptr must not decrease");
     TORCH_CHECK(kvp[r + 1] - kvp[r] >= qop[r + 1] - qop[r], "a request has more query rows than KV positions");
+  }
   auto out = torch::empty_like(q);
 #ifdef RADIXKV_AVX512_BF16
   if (dtype == "bfloat16" && (d == 64 || d == 128)) {
