@@ -44,6 +44,11 @@ class EngineConfig:
     record_steps: bool = False
 
     def __post_init__(self) -> None:
+        # torch.bfloat16 / torch.device("cpu") are accepted and kept as their names (configs are saved as JSON)
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if not isinstance(self.device, str) and type(self.device).__name__ == "device":
+            object.__setattr__(self, "device", str(self.device))
         checks = [
             (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
             (self.eviction_policy in EVICTION_POLICIES, f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}"),

@@ -67,6 +67,13 @@ def test_bad_config_raises_value_error(kwargs):
         LLM("tiny-random", **kwargs)
 
 
+def test_torch_dtype_and_device_are_accepted_as_their_names():
+    cfg = LLM("tiny-random", dtype=torch.bfloat16, device=torch.device("cpu")).config
+    assert (cfg.dtype, cfg.device) == ("bfloat16", "cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        LLM("tiny-random", dtype=torch.int8)
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         LLM(str(tmp_path / "missing"))

