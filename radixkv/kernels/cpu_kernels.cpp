@@ -346,9 +346,11 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
           const int64_t row = row0 + j, i = tk.i0 + row / group, g = row % group;
           uint16_t* o = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
           const __m512 s = _mm512_set1_ps(inv_sum[row]);
-          for (int64_t c = 0; c < vecs; c += 2)
-            _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16 + 16), s),
-                                                                         _mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16), s)));
+          for (int64_t c = 0; c < vecs; c += 2) {
+            const __m512 lo = _mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16), s);
+            const __m512 hi = _mm512_mul_ps(_mm512_load_ps(sums[j] + c * 16 + 16), s);
+            _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
         }
       }
     }
