@@ -491,6 +491,7 @@ inline void prefetch_row(const T* p, int64_t bytes) {
 // prefetcher cannot guess them. Without it the kernel waited on memory most of the time.
 constexpr int64_t kDecodePrefetchK = 16, kDecodePrefetchV = 32;
 constexpr int64_t kDecodeVBlock = 32;  // V rows widened per block: 32 x Hkv x D float32 stays in L1
+static_assert(kDecodeVBlock >= 8, "the V block buffer also holds the 8 K rows of a score block");
 constexpr int64_t kDecodePart = 256;   // tokens per task: a long context splits across threads (flash-decoding)
 
 // Attention of one query row per head over tokens slots[0:n) of one request, all heads: for each
@@ -501,7 +502,7 @@ void decode_part_avx2(const float* qf, const T* k, const T* v, const int64_t* sl
                       int64_t kv_heads, int64_t d, float* m, float* l, float* acc, std::vector<float>& kvbuf,
                       std::vector<float>& scores) {
   const int64_t group = heads / kv_heads, vecs = d / 8, row = kv_heads * d, padded = (n + 7) / 8 * 8;
-  kvbuf.resize(std::max<int64_t>(8, kDecodeVBlock) * row);
+  kvbuf.resize(kDecodeVBlock * row);
   scores.resize(heads * padded);
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores of 8 tokens at a time: 8 dot products, one hsum
     for (int64_t j = 0; j < 8; ++j) {
@@ -547,16 +548,16 @@ void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const i
   for (int64_t b = 0; b < batch; ++b)
     first[b + 1] = first[b] + std::max<int64_t>(1, (indptr[b + 1] - indptr[b] + kDecodePart - 1) / kDecodePart);
   const int64_t tasks = first[batch], hd = heads * d;
-  std::vector<float> m(tasks * heads), l(tasks * heads), acc(tasks * hd);
+  std::vector<float> m(tasks * heads), l(tasks * heads), acc(tasks * hd), qf(batch * hd);
+  for (int64_t i = 0; i < batch * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;  // once, not per part
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(hd), kvbuf, scores;
+    std::vector<float> kvbuf, scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t t0 = (task - first[b]) * kDecodePart;
       const int64_t n = std::min(kDecodePart, indptr[b + 1] - indptr[b] - t0);
-      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(q[b * hd + i]) * scale;
       if (n > 0) {
-        decode_part_avx2(qf.data(), k, v, idx + indptr[b] + t0, n, heads, kv_heads, d, m.data() + task * heads,
+        decode_part_avx2(qf.data() + b * hd, k, v, idx + indptr[b] + t0, n, heads, kv_heads, d, m.data() + task * heads,
                          l.data() + task * heads, acc.data() + task * hd, kvbuf, scores);
       } else {  // no tokens: a part that adds nothing
         std::fill(m.data() + task * heads, m.data() + (task + 1) * heads, 0.f);
@@ -565,11 +566,12 @@ void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const i
       }
     }
   });
+  std::vector<float> o(d);
   for (int64_t b = 0; b < batch; ++b)  // merge each request's parts: rescale to the largest max
     for (int64_t qh = 0; qh < heads; ++qh) {
       float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
       for (int64_t t = first[b]; t < first[b + 1]; ++t) mx = std::max(mx, m[t * heads + qh]);
-      std::vector<float> o(d, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
       for (int64_t t = first[b]; t < first[b + 1]; ++t) {
         const float w = std::exp(m[t * heads + qh] - mx);
         total += w * l[t * heads + qh];

@@ -214,11 +214,6 @@ def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
     return p.dtype if native[p.dtype]() else torch.float32
 
 
-def can_pack_linears(model: nn.Module) -> bool:
-    """Packing pays, and is exact, for 16-bit weights on a CPU whose oneDNN supports that dtype."""
-    return linear_compute_dtype(model) not in (None, torch.float32)
-
-
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` computing in ``linear_compute_dtype``.
 
