@@ -115,6 +115,24 @@ def test_lock_unlock_reference_counts(cache):
     cache.unlock(cache.root)  # the empty handle changes nothing
 
 
+def test_unlock_of_a_never_locked_shorter_handle_raises(cache):
+    """Regression: per-block counts let ``unlock`` of a handle that was never locked through, when a longer locked
+    handle shares its blocks; that dropped the shared block's count to 0 and freed it under the longer handle."""
+    cache.insert(range(8), range(8))  # blocks of 4: [0..3], [4..7]
+    longer, shorter = cache.match_prefix(range(8)), cache.match_prefix(range(4))
+    cache.lock(longer.node)
+    with pytest.raises(LockError, match="no lock of its own"):
+        cache.unlock(shorter.node)
+    assert cache.protected_size == 8 and cache.evict(100).size == 0  # nothing changed
+    cache.check_invariants()
+    cache.lock(shorter.node)  # a lock of its own: now its unlock is fine, and the longer handle keeps both blocks
+    cache.unlock(shorter.node)
+    assert cache.protected_size == 8
+    cache.unlock(longer.node)
+    cache.check_invariants()
+    assert cache.evictable_size == 8
+
+
 def test_lock_of_evicted_handle_raises(cache):
     cache.insert(range(8), range(8))
     m = cache.match_prefix(range(8))

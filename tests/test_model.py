@@ -158,6 +158,25 @@ def test_qwen2_style_bias_and_tied_embeddings_match_transformers():
     assert model.config.attention_bias and model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_llama_attention_and_mlp_biases_match_transformers():
+    """Llama's ``attention_bias`` puts a bias on o_proj as well as q/k/v (Qwen2's does not), ``mlp_bias`` on all three
+    MLP projections; such a checkpoint used to fail to load."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    cfg = HFLlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        attention_bias=True, mlp_bias=True)
+    hf = HFLlama(cfg)
+    for name, param in hf.named_parameters():  # transformers zero-initializes biases; nonzero ones test the wiring
+        if name.endswith(".bias"):
+            torch.nn.init.normal_(param, std=0.5)
+    model = _hf_parity(hf)
+    c = model.config
+    assert c.attention_bias and c.o_proj_bias and c.mlp_bias
+
+
 def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM as HFLlama

@@ -79,7 +79,7 @@ class Block:
     """One cached KV block: ``block_size`` tokens and their slot indices."""
 
     __slots__ = (
-        "key", "parent_key", "tokens", "slots", "ref_cnt",
+        "key", "parent_key", "tokens", "slots", "ref_cnt", "tail_locks",
         "last_access", "hit_count", "created", "stamp", "cached",
     )
 
@@ -89,6 +89,7 @@ class Block:
         self.tokens = tokens  # int64 little-endian bytes
         self.slots = slots
         self.ref_cnt = 0
+        self.tail_locks = 0  # locks of handles that end at this block (the radix tree's direct_locks)
         self.last_access = now
         self.hit_count = 0
         self.created = now
@@ -155,7 +156,7 @@ class HashBlockCache:
         """Drop every block (old handles can no longer be locked); clock and statistics at zero. O(blocks)."""
         for block in getattr(self, "_blocks", {}).values():
             block.cached = False  # old handles can neither lock nor unlock these again
-            block.ref_cnt = 0
+            block.ref_cnt = block.tail_locks = 0
         self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
         if self.eviction_policy == "lru":
@@ -370,7 +371,12 @@ class HashBlockCache:
         self._displaced_tokens += len(block.slots)
 
     def lock(self, node: BlockChain) -> None:
-        """Reference every block of the handle (taking unreferenced ones out of the free queue)."""
+        """Reference every block of the handle (taking unreferenced ones out of the free queue).
+
+        A handle is named by its last block (its key chains the whole prefix),
+        which counts the locks taken through it, so ``unlock`` can tell a
+        handle that was locked from a shorter one that only shares its blocks.
+        """
         blocks = node.blocks
         first_refs = [block for block in blocks if not block.ref_cnt]
         # A referenced block is never evicted (and reset() zeroes the counts of what it drops),
@@ -382,17 +388,27 @@ class HashBlockCache:
             self._protected_blocks += len(first_refs)
         for block in blocks:
             block.ref_cnt += 1
+        if blocks:
+            blocks[-1].tail_locks += 1
 
     def unlock(self, node: BlockChain) -> None:
         """Release one reference of every block; freed blocks join the queue tail, chain tail first.
 
         Raises ``LockError`` (changing nothing) when a block's count is already
-        0 (which includes every block of a handle from before ``reset``).
+        0 (which includes every block of a handle from before ``reset``), or
+        when the handle was never locked itself: only longer handles sharing
+        its blocks were. Per-block counts alone would let that unlock through
+        and free blocks a longer locked handle still uses.
         """
         blocks = node.blocks
         if not all(map(_REF_CNT, blocks)):
             bad = next(b for b in blocks if not b.ref_cnt)
             raise LockError(f"unlock of {bad!r} whose reference count is already 0 (or no longer cached)")
+        if blocks and not blocks[-1].tail_locks:
+            raise LockError(f"unlock of a handle ending at {blocks[-1]!r}, which holds no lock of its own "
+                            "(its blocks are referenced by longer handles only)")
+        if blocks:
+            blocks[-1].tail_locks -= 1
         released = []
         for block in blocks:
             block.ref_cnt -= 1
@@ -431,7 +447,10 @@ class HashBlockCache:
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
-        """Verify every invariant; raise ``AssertionError`` naming the broken one. O(blocks * block_size)."""
+        """Verify every invariant; raise ``AssertionError`` naming the broken one.
+
+        O(blocks * block_size + locked handles * their depth).
+        """
 
         def require(ok: bool, name: str, detail: object = "") -> None:
             if not ok:  # the detail (often a block) is formatted only on failure: this runs per block
@@ -448,6 +467,7 @@ class HashBlockCache:
             require((block in self._queue) == (block.ref_cnt == 0), "free queue holds exactly the unreferenced blocks",
                     block)
             protected += block.ref_cnt > 0
+        self._check_lock_counts(require)
         require(len(self._queue) == len(self._blocks) - protected, "free queue size")
         require(protected == self._protected_blocks, "sizes: protected",
                 f"counted {protected} blocks, recorded {self._protected_blocks}")
@@ -457,6 +477,18 @@ class HashBlockCache:
         if slots:
             flat = np.concatenate(slots)
             require(all_unique(flat), "slot indices unique across the cache")
+
+    def _check_lock_counts(self, require) -> None:
+        """Each block's ref_cnt is the sum of the tail locks of the chains through it. O(locked handles * depth)."""
+        through: dict[BlockKey, int] = {}
+        for block in self._blocks.values():
+            require(block.tail_locks >= 0, "tail lock counts >= 0", block)
+            key, locks = block.key, block.tail_locks
+            while locks and key in self._blocks:
+                through[key] = through.get(key, 0) + locks
+                key = self._blocks[key].parent_key
+        for key, block in self._blocks.items():
+            require(block.ref_cnt == through.get(key, 0), "ref_cnt = locks of the handles through the block", block)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block).

@@ -1,7 +1,7 @@
 """A one-file Llama-family decoder that reads and writes KV through the paged pool.
 
 Covers LlamaForCausalLM checkpoints (SmolLM2 is one), with Qwen2-style q/k/v
-biases and tied embeddings: RoPE (default and Llama-3 scaling), RMSNorm,
+biases, Llama's optional attention and MLP biases, and tied embeddings: RoPE (default and Llama-3 scaling), RMSNorm,
 SwiGLU, grouped-query attention. Module names mirror Hugging Face's, except
 that q/k/v and gate/up projections are stacked into one matrix each
 (``qkv_proj``, ``gate_up_proj``: one matmul instead of three and two, which
@@ -46,7 +46,9 @@ class LlamaConfig:
     max_position_embeddings: int
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections
+    o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
+    mlp_bias: bool = False
     eos_token_id: int | None = None
 
     @classmethod
@@ -59,6 +61,7 @@ class LlamaConfig:
             raise ValueError(f"unsupported RoPE type {kind!r} (radixkv supports default and llama3)")
         heads = hf.num_attention_heads
         eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
+        qwen2 = hf.model_type == "qwen2"
         return cls(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers, num_heads=heads,
@@ -68,7 +71,9 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope_scaling=rope if kind == "llama3" else None,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False) or hf.model_type == "qwen2"),
+            attention_bias=bool(getattr(hf, "attention_bias", False) or qwen2),
+            o_proj_bias=bool(getattr(hf, "attention_bias", False) and not qwen2),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             eos_token_id=eos,
         )
 
@@ -107,7 +112,7 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)  # q, k, v rows of qkv_proj
         self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias)
         self.ops = TorchOps()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
@@ -122,8 +127,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, then up
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = TorchOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
