@@ -197,3 +197,65 @@ def test_small_linear_rounds_to_nearest_even_in_bfloat16():
     w = torch.tensor([[1.0, 2.0**-8]] * 8, dtype=torch.bfloat16)  # [8, 2]: every output is 1 + 2^-8
     y = k.small_linear(x1, w.view(1, 8, 2).transpose(1, 2).contiguous(), None)
     assert torch.equal(y, (torch.ones(1, 8) + 2.0 ** -8).to(torch.bfloat16))  # a tie: rounds to 1.0 (even)
+
+
+def _served_bf16_model(hf_config: dict | None = None):
+    """A tiny bfloat16 model as the engine serves it on this CPU (packed linears, cpu backend and fused ops)."""
+    from radixkv.model import load_model
+    from radixkv.model.llama import pack_linears
+    from radixkv.model.loader import _from_hf
+    from radixkv.model.ops import ops_for_backend
+
+    if hf_config is None:
+        model = load_model("tiny-random", dtype=torch.bfloat16).model
+    else:
+        from transformers import LlamaConfig as HFLlamaConfig
+        from transformers import LlamaForCausalLM as HFLlama
+
+        torch.manual_seed(0)
+        hf = HFLlama(HFLlamaConfig(**hf_config))
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(param, std=0.5)
+        model = _from_hf(hf.eval(), torch.bfloat16, "cpu")
+    pack_linears(model)
+    if model.model.layers[0].small_linear_weights() is None:
+        pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
+    cfg = model.config
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=256, dtype=torch.bfloat16)
+    backend = make_backend("cpu", pool, cfg.num_heads)
+    model.set_ops(ops_for_backend(backend))
+    return model, pool, backend
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_decode_stack_gives_the_layer_loops_bits(biases, monkeypatch):
+    """A pure-decode step through DecodeStack (one compiled call for every layer) writes the same K/V and returns
+    the same logits, bit for bit, as the Python layer loop over the same kernels; prefill steps keep the loop."""
+    from radixkv.model.step import run_step
+
+    config = None
+    if biases:
+        config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      attention_bias=True, mlp_bias=True)
+    outs = {}
+    for path in ("stack", "loop"):
+        model, pool, backend = _served_bf16_model(config)
+        if path == "loop":
+            monkeypatch.setattr(CpuKernelOps, "run_layers", TorchOps.run_layers)
+        lens = [9, 30, 17]
+        slots = [np.arange(64 * r, 64 * r + 40) for r in range(3)]
+        run_step(model, pool, backend, [list(range(3, 3 + n)) for n in lens],
+                 AttentionBatch([0, 0, 0], lens, [s[:n] for s, n in zip(slots, lens, strict=True)]))
+        assert model.ops._stack is None  # a prefill step runs layer by layer
+        logits = []
+        for step in range(4):
+            batch = AttentionBatch([n + step for n in lens], [1, 1, 1], [s[: n + step + 1] for s, n in
+                                                                       zip(slots, lens, strict=True)])
+            logits.append(run_step(model, pool, backend, [[5 + step], [6], [7 + 2 * step]], batch))
+        assert (model.ops._stack is not None) == (path == "stack")
+        outs[path] = (torch.stack(logits), torch.stack(pool.k), torch.stack(pool.v))
+        monkeypatch.undo()
+    for got, want in zip(outs["stack"], outs["loop"], strict=True):
+        assert torch.equal(got, want)

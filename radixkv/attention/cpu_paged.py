@@ -79,6 +79,11 @@ class CpuPagedBackend(TorchReferenceBackend):
             qo_indptr = torch.from_numpy(np.cumsum([0] + [batch.new_lens[r] for r in prefills], dtype=np.int64))
             self._prefills = (indices, indptr, qo_indptr, torch.from_numpy(batch.query_rows(prefills)))
 
+    def decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(kv_indices, kv_indptr)`` of the planned step when it is decodes only (request b's query is row b),
+        for kernels that run the step's attention themselves (``CpuKernelOps.run_layers``); else None."""
+        return self._decodes[:2] if self._all_decodes and self._decodes is not None else None
+
     def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
         indices, indptr = csr([np.asarray(batch.slots[r]) for r in rows])
         return indices, indptr, torch.as_tensor(starts[rows], dtype=torch.long)

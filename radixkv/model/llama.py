@@ -147,6 +147,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, out_slots, pool, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def small_linear_weights(self) -> tuple[dict[str, torch.Tensor | None], int] | None:
+        """The layer's norms, ``small_linear`` tiles and float32 biases by name, and the most rows those tiles
+        serve (``PackedLinear.small_rows``); None unless every linear layer has tiles (``pack_linears`` on a
+        16-bit model on an AVX2 CPU). For running the layer outside Python (``CpuKernelOps.run_layers``)."""
+        linears = {"qkv": self.self_attn.qkv_proj, "o": self.self_attn.o_proj,
+                   "gate_up": self.mlp.gate_up_proj, "down": self.mlp.down_proj}
+        if not all(isinstance(m, PackedLinear) and m.tiles is not None for m in linears.values()):
+            return None
+        weights = {"input_norm": self.input_layernorm.weight.detach(),
+                   "post_norm": self.post_attention_layernorm.weight.detach()}
+        for name, m in linears.items():
+            weights[name], weights[f"{name}_bias"] = m.tiles, m.bias
+        return weights, min(m.small_rows for m in linears.values())
+
 
 class _Decoder(nn.Module):
     def __init__(self, cfg: LlamaConfig):
@@ -266,9 +280,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.ops = TorchOps()  # runs the layer stack (see set_ops)
 
     def set_ops(self, ops: TorchOps) -> None:
-        """Run the layers' elementwise steps (RMSNorm, RoPE + KV store, SwiGLU) through ``ops``."""
+        """Run the layers' elementwise steps (RMSNorm, RoPE + KV store, SwiGLU) and the layer loop through ``ops``."""
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
@@ -311,8 +326,7 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, out_slots, pool, backend)
+        x = self.ops.run_layers(self.model.layers, x, cos, sin, out_slots, pool, backend)
         if logits_rows is None and qo_indptr is not None:
             logits_rows = qo_indptr[1:] - 1
         if logits_rows is not None:

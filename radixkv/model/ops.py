@@ -1,4 +1,4 @@
-"""The elementwise steps of a Llama layer, as swappable strategies.
+"""The elementwise steps of a Llama layer, and the loop over layers, as swappable strategies.
 
 ``TorchOps`` is the eager PyTorch math (the oracle, used by default and for
 float32). ``CpuKernelOps`` runs the same steps through the compiled CPU
@@ -7,11 +7,17 @@ store, and SwiGLU's ``silu(gate) * up``, instead of 3-15 small eager ops.
 On a 2-core CPU at decode batch sizes those small ops, not their
 arithmetic, are what costs. The kernels round where the eager ops round, so
 results differ from ``TorchOps`` only in summation order (see the tests).
+For the same reason ``CpuKernelOps.run_layers`` hands a pure-decode step's
+whole layer stack to one compiled call (``DecodeStack``) where every linear
+layer has ``small_linear`` tiles: the same kernels in the same order, so
+the same bits, without ~11 Python calls a layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +60,13 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate]
         return F.silu(gate) * up
 
+    def run_layers(self, layers: Sequence[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   out_slots: torch.Tensor, pool: KVPool, backend: Any) -> torch.Tensor:
+        """The decoder layers over ``x`` ``[num_tokens, hidden]``, one module call each; returns the last output."""
+        for layer in layers:
+            x = layer(x, cos, sin, out_slots, pool, backend)
+        return x
+
 
 class CpuKernelOps(TorchOps):
     """The same steps through ``radixkv.kernels`` (CPU tensors, one dtype throughout)."""
@@ -62,6 +75,7 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels: ModuleType):
         self.kernels = kernels
+        self._stack: tuple[Any, KVPool, Any, int] | None = None  # (layers, pool, DecodeStack, max rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), None, weight, eps)
@@ -75,6 +89,34 @@ class CpuKernelOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
+
+    def run_layers(self, layers: Sequence[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   out_slots: torch.Tensor, pool: KVPool, backend: Any) -> torch.Tensor:
+        """A pure-decode step of a stack with ``small_linear`` tiles in one ``DecodeStack`` call; else layer by layer.
+
+        The stack is built on the first such step for these layers and this pool, and kept.
+        """
+        plan = backend.decode_plan() if hasattr(backend, "decode_plan") else None
+        stack = self._decode_stack(layers, pool, backend) if plan is not None and x.dtype == pool.dtype else None
+        if stack is None or x.shape[0] > stack[1]:
+            return super().run_layers(layers, x, cos, sin, out_slots, pool, backend)
+        n, d = x.shape[0], pool.head_dim
+        return stack[0].forward(x, cos.reshape(n, d), sin.reshape(n, d), out_slots, *plan)
+
+    def _decode_stack(self, layers: Sequence[Any], pool: KVPool, backend: Any) -> tuple[Any, int] | None:
+        """``(DecodeStack, max rows)`` for ``layers`` over ``pool``, or None where a layer has no tiles."""
+        if self._stack is not None and self._stack[0] is layers and self._stack[1] is pool:
+            return self._stack[2:]
+        found = [layer.small_linear_weights() if hasattr(layer, "small_linear_weights") else None for layer in layers]
+        if not found or any(f is None for f in found) or not self.kernels.has_avx2():
+            return None
+        attn, norm = layers[0].self_attn, layers[0].input_layernorm
+        stack = self.kernels.DecodeStack(
+            [self.kernels.DecodeLayer(**weights, k_pool=pool.k[i], v_pool=pool.v[i]) for i, (weights, _) in
+             enumerate(found)],
+            heads=attn.cfg.num_heads, kv_heads=attn.cfg.num_kv_heads, eps=norm.eps, scale=backend.scale)
+        self._stack = (layers, pool, stack, min(rows for _, rows in found))
+        return self._stack[2:]
 
 
 def ops_for_backend(backend: object) -> TorchOps:
