@@ -1156,7 +1156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &has_avx512_bf16, "Whether the bfloat16 AVX-512 path was compiled in");
   using T = torch::Tensor;
   using OptT = c10::optional<torch::Tensor>;
-  py::class_<DecodeLayer>(m, "DecodeLayer", "One layer's weights and KV pools for DecodeStack")
+  py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "One layer's weights and KV pools for DecodeStack")
       .def(py::init([](T input_norm, T post_norm, T qkv, T o, T gate_up, T down, OptT qkv_bias, OptT o_bias,
                        OptT gate_up_bias, OptT down_bias, T k_pool, T v_pool) {
              return DecodeLayer{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, gate_up_bias,
@@ -1165,7 +1165,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
            py::arg("k_pool"), py::arg("v_pool"));
-  py::class_<DecodeStack>(m, "DecodeStack", "Every layer of a pure-decode step in one call (see the source)")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
+                          "Every layer of a pure-decode step in one call (see the source)")
       .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"))
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
