@@ -37,7 +37,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (48, 2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (48, 2), (64, 4), (32, 5)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_backend_matches_dense_attention(case, head_dim, group, dtype, tol):
     """Decodes through paged_decode, prefill chunks through paged_prefill (bfloat16) or the reference."""

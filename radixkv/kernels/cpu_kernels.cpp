@@ -11,7 +11,8 @@
 //   kv_indices: [nnz]  int64     slots of request b are kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
 //   kv_indptr:  [B + 1] int64
 //   out:        [B, H, D]        same dtype as q
-// Query head h reads KV head h / (H / Hkv); each K and V row is read once for the whole query group.
+// Query head h reads KV head h / (H / Hkv); each K and V row is read once for the whole query group
+// (for groups of up to 3 query heads on the AVX2 path, which takes larger groups 3 heads at a time).
 // Scores, softmax and the weighted sum of V are float32.
 // bfloat16 with a head_dim that is a multiple of 32 takes an AVX-512 path (BF16 dot products for
 // Q.K, float32 FMAs for P.V) where the compiler targets it; on CPUs with AVX2 but no 16-bit dot products
@@ -400,13 +401,6 @@ inline __m256 lanes_below(int64_t t0, int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), pos));
 }
 
-// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums as one vector.
-inline __m256 hsum8x8(const __m256* a) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
 // p[0:n] = exp(s[0:n] - max) in place, zeros in [n, padded); returns 1 / sum and, if asked, max.
 // padded % 8 == 0, >= n.
 inline float softmax_row(float* s, int64_t n, int64_t padded, float* max_out = nullptr) {
@@ -432,19 +426,15 @@ inline float softmax_row(float* s, int64_t n, int64_t padded, float* max_out = n
   return 1.f / sum;
 }
 
-// out[r][0:8C] = scale_r * sum_t p[r][t] * v[t][0:8C] for R rows at once; v rows float32 with stride vs.
-// Accumulate: out[r] += the unscaled sum instead (inv unused).
-template <int R, int C, bool Accumulate = false>
-inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t n, const float* inv, float* const* out) {
-  __m256 acc[R][C];
-  RADIXKV_UNROLL
-  for (int j = 0; j < R; ++j)
-    RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) acc[j][c] = Accumulate ? _mm256_loadu_ps(out[j] + 8 * c) : _mm256_setzero_ps();
+// acc[r][c] += sum_{t < n} p[r][t] * row(t)[8c .. 8c + 8): the P.V loop that prefill (float32 rows) and
+// decode (16-bit rows straight from the pool) share; row(t) returns a pointer that load8 reads.
+template <int R, int C, typename Row>
+inline void pv_accumulate(const float* const* p, int64_t n, Row row, __m256 (&acc)[R][C]) {
   for (int64_t t = 0; t < n; ++t) {
+    const auto* vr = row(t);
     __m256 vv[C];
     RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(v + t * vs + 8 * c);
+    for (int c = 0; c < C; ++c) vv[c] = load8(vr + 8 * c);
     RADIXKV_UNROLL
     for (int j = 0; j < R; ++j) {
       const __m256 w = _mm256_broadcast_ss(p[j] + t);
@@ -452,15 +442,25 @@ inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t 
       for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(w, vv[c], acc[j][c]);
     }
   }
+}
+
+// out[r][0:8C] = scale_r * sum_t p[r][t] * v[t][0:8C] for R rows at once; v rows float32 with stride vs.
+template <int R, int C>
+inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t n, const float* inv, float* const* out) {
+  __m256 acc[R][C];
   RADIXKV_UNROLL
   for (int j = 0; j < R; ++j)
     RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_ps(out[j] + 8 * c, Accumulate ? acc[j][c] : _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm256_setzero_ps();
+  pv_accumulate<R, C>(p, n, [&](int64_t t) { return v + t * vs; }, acc);
+  RADIXKV_UNROLL
+  for (int j = 0; j < R; ++j)
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[j] + 8 * c, _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
 }
 
 // pv_block over all of head_dim (vecs vectors of 8) in chunks of up to 4 vectors.
-template <int R, bool Accumulate = false>
+template <int R>
 void pv_rows(const float* const* p, const float* v, int64_t vs, int64_t n, int64_t vecs, const float* inv,
              float* const* out) {
   for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
@@ -468,10 +468,10 @@ void pv_rows(const float* const* p, const float* v, int64_t vs, int64_t n, int64
     RADIXKV_UNROLL
     for (int j = 0; j < R; ++j) o[j] = out[j] + 8 * c0;
     switch (std::min<int64_t>(4, vecs - c0)) {
-      case 4: pv_block<R, 4, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 3: pv_block<R, 3, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 2: pv_block<R, 2, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
-      default: pv_block<R, 1, Accumulate>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 4: pv_block<R, 4>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 3: pv_block<R, 3>(p, v + 8 * c0, vs, n, inv, o); break;
+      case 2: pv_block<R, 2>(p, v + 8 * c0, vs, n, inv, o); break;
+      default: pv_block<R, 1>(p, v + 8 * c0, vs, n, inv, o); break;
     }
   }
 }
@@ -486,58 +486,121 @@ inline void prefetch_row(const T* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
-// Decode reads each slot's K row and V row for all KV heads at once (one contiguous run of the pool)
-// and prefetches rows this many tokens ahead: slots need not be consecutive, so the hardware
-// prefetcher cannot guess them. Without it the kernel waited on memory most of the time.
+// Decode reads one KV head's slice of each slot's pool row per pass and prefetches the slice this many
+// tokens ahead: slots need not be consecutive, so the hardware prefetcher cannot guess them. Without it
+// the kernel waited on memory most of the time; prefetching further ahead (32-256) measured slower.
 constexpr int64_t kDecodePrefetchK = 16, kDecodePrefetchV = 32;
-constexpr int64_t kDecodeVBlock = 32;  // V rows widened per block: 32 x Hkv x D float32 stays in L1
-static_assert(kDecodeVBlock >= 8, "the V block buffer also holds the 8 K rows of a score block");
 constexpr int64_t kDecodePart = 256;   // tokens per task: a long context splits across threads (flash-decoding)
+
+// Scores of HB query heads (rows qf[0..HB) of one KV head's group, float32, scaled) against 4 tokens
+// (pool rows slot4[0..4) of k, which points at this KV head's slice of row 0): up to 12 dot products
+// accumulate at once, each K vector widened once, in a register, for every head of the block.
+// s[h][0..4): head h's scores.
+template <typename T, int HB>
+inline void scores_4tok(const float* qf, int64_t d, const T* k, int64_t row, const int64_t* slot4, float* const* s) {
+  const T* kr[4];
+  RADIXKV_UNROLL
+  for (int j = 0; j < 4; ++j) kr[j] = k + slot4[j] * row;
+  __m256 a[HB][4];
+  RADIXKV_UNROLL
+  for (int h = 0; h < HB; ++h)
+    RADIXKV_UNROLL
+    for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    RADIXKV_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = load8(kr[j] + c);
+      RADIXKV_UNROLL
+      for (int h = 0; h < HB; ++h) a[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + c), kv, a[h][j]);
+    }
+  }
+  RADIXKV_UNROLL
+  for (int h = 0; h < HB; ++h) {  // four horizontal sums as one 128-bit vector
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+    _mm_storeu_ps(s[h], _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+}
+
+// acc[h][0:8C] = sum_t p[h][t] * v_t[0:8C] for HB query heads of one KV head, over the part's n tokens;
+// v points at this KV head's first vector of the chunk in pool row 0 (rows slots[t] * row).
+template <typename T, int HB, int C>
+inline void pv_pass(const float* const* p, const T* v, int64_t row, const int64_t* slots, int64_t n, float* const* acc) {
+  __m256 o[HB][C];
+  RADIXKV_UNROLL
+  for (int h = 0; h < HB; ++h)
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c) o[h][c] = _mm256_setzero_ps();
+  pv_accumulate<HB, C>(p, n, [&](int64_t t) {
+    if (t + kDecodePrefetchV < n) prefetch_row(v + slots[t + kDecodePrefetchV] * row, 8 * C * sizeof(T));
+    return v + slots[t] * row;
+  }, o);
+  RADIXKV_UNROLL
+  for (int h = 0; h < HB; ++h)
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc[h] + 8 * c, o[h][c]);
+}
+
+template <typename T, int HB>
+void pv_heads(const float* const* p, const T* v, int64_t row, const int64_t* slots, int64_t n, int64_t d,
+              float* const* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 32) {  // one 32-wide chunk of head_dim per pass: 12 accumulators at most
+    float* o[HB];
+    RADIXKV_UNROLL
+    for (int h = 0; h < HB; ++h) o[h] = acc[h] + c0;
+    switch (std::min<int64_t>(4, (d - c0) / 8)) {
+      case 4: pv_pass<T, HB, 4>(p, v + c0, row, slots, n, o); break;
+      case 3: pv_pass<T, HB, 3>(p, v + c0, row, slots, n, o); break;
+      case 2: pv_pass<T, HB, 2>(p, v + c0, row, slots, n, o); break;
+      default: pv_pass<T, HB, 1>(p, v + c0, row, slots, n, o); break;
+    }
+  }
+}
+
+template <typename T, int HB>
+void scores_heads(const float* qf, int64_t d, const T* k, int64_t row, const int64_t* slots, int64_t n,
+                  int64_t padded, float* const* s) {
+  for (int64_t t0 = 0; t0 < padded; t0 += 4) {
+    int64_t slot4[4];
+    for (int j = 0; j < 4; ++j) {
+      if (t0 + j + kDecodePrefetchK < n) prefetch_row(k + slots[t0 + j + kDecodePrefetchK] * row, d * sizeof(T));
+      slot4[j] = slots[std::min(t0 + j, n - 1)];  // past the end: a repeat, masked in the softmax
+    }
+    float* st[HB];
+    RADIXKV_UNROLL
+    for (int h = 0; h < HB; ++h) st[h] = s[h] + t0;
+    scores_4tok<T, HB>(qf, d, k, row, slot4, st);
+  }
+}
 
 // Attention of one query row per head over tokens slots[0:n) of one request, all heads: for each
 // query head qh, m[qh] = its largest score, l[qh] = sum_t exp(s_t - m), acc[qh] = sum_t exp(s_t - m) v_t
 // (unnormalized, so parts of one request merge exactly). qf: [H, D] float32, already scaled.
+// KV head by KV head, in blocks of up to 3 of its query heads: each pass reads one head's slice of
+// every pool row straight from the pool (widened in registers), so nothing is copied to a buffer.
 template <typename T>
 void decode_part_avx2(const float* qf, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t heads,
-                      int64_t kv_heads, int64_t d, float* m, float* l, float* acc, std::vector<float>& kvbuf,
-                      std::vector<float>& scores) {
-  const int64_t group = heads / kv_heads, vecs = d / 8, row = kv_heads * d, padded = (n + 7) / 8 * 8;
-  kvbuf.resize(kDecodeVBlock * row);
+                      int64_t kv_heads, int64_t d, float* m, float* l, float* acc, std::vector<float>& scores) {
+  const int64_t group = heads / kv_heads, row = kv_heads * d, padded = (n + 7) / 8 * 8;
   scores.resize(heads * padded);
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores of 8 tokens at a time: 8 dot products, one hsum
-    for (int64_t j = 0; j < 8; ++j) {
-      if (t0 + j + kDecodePrefetchK < n) prefetch_row(k + slots[t0 + j + kDecodePrefetchK] * row, row * sizeof(T));
-      const int64_t t = std::min(t0 + j, n - 1);  // past the end: a repeat, masked in the softmax
-      widen_row(k + slots[t] * row, kvbuf.data() + j * row, row);
-    }
-    for (int64_t qh = 0; qh < heads; ++qh) {
-      const float* kh = kvbuf.data() + (qh / group) * d;
-      __m256 a[8];
-      RADIXKV_UNROLL
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < vecs; ++c) {
-        const __m256 qv = _mm256_loadu_ps(qf + qh * d + 8 * c);
-        RADIXKV_UNROLL
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + j * row + 8 * c), a[j]);
-      }
-      _mm256_storeu_ps(scores.data() + qh * padded + t0, hsum8x8(a));
-    }
+  for (int64_t qh = 0; qh < heads;) {  // blocks of up to 3 query heads that share a KV head
+    const int64_t kh = qh / group, hb = std::min<int64_t>(3, (kh + 1) * group - qh);
+    float* s[3] = {scores.data() + qh * padded, scores.data() + std::min(qh + 1, heads - 1) * padded,
+                   scores.data() + std::min(qh + 2, heads - 1) * padded};
+    if (hb == 3) scores_heads<T, 3>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
+    else if (hb == 2) scores_heads<T, 2>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
+    else scores_heads<T, 1>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
+    qh += hb;
   }
   for (int64_t qh = 0; qh < heads; ++qh) l[qh] = 1.f / softmax_row(scores.data() + qh * padded, n, padded, m + qh);
-  std::fill(acc, acc + heads * d, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kDecodeVBlock) {
-    const int64_t nb = std::min(kDecodeVBlock, n - t0);
-    for (int64_t j = 0; j < nb; ++j) {
-      if (t0 + j + kDecodePrefetchV < n) prefetch_row(v + slots[t0 + j + kDecodePrefetchV] * row, row * sizeof(T));
-      widen_row(v + slots[t0 + j] * row, kvbuf.data() + j * row, row);
-    }
-    for (int64_t qh = 0; qh < heads; qh += std::min<int64_t>(2, group - qh % group)) {
-      const float* vh = kvbuf.data() + (qh / group) * d;
-      const float* p[2] = {scores.data() + qh * padded + t0, scores.data() + (qh + 1) * padded + t0};
-      float* o[2] = {acc + qh * d, acc + (qh + 1) * d};
-      if (qh % group + 2 <= group) pv_rows<2, true>(p, vh, row, nb, vecs, nullptr, o);
-      else pv_rows<1, true>(p, vh, row, nb, vecs, nullptr, o);
-    }
+  for (int64_t qh = 0; qh < heads;) {
+    const int64_t kh = qh / group, hb = std::min<int64_t>(3, (kh + 1) * group - qh);
+    const float* p[3] = {scores.data() + qh * padded, scores.data() + std::min(qh + 1, heads - 1) * padded,
+                         scores.data() + std::min(qh + 2, heads - 1) * padded};
+    float* o[3] = {acc + qh * d, acc + std::min(qh + 1, heads - 1) * d, acc + std::min(qh + 2, heads - 1) * d};
+    if (hb == 3) pv_heads<T, 3>(p, v + kh * d, row, slots, n, d, o);
+    else if (hb == 2) pv_heads<T, 2>(p, v + kh * d, row, slots, n, d, o);
+    else pv_heads<T, 1>(p, v + kh * d, row, slots, n, d, o);
+    qh += hb;
   }
 }
 
@@ -551,14 +614,14 @@ void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const i
   std::vector<float> m(tasks * heads), l(tasks * heads), acc(tasks * hd), qf(batch * hd);
   for (int64_t i = 0; i < batch * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;  // once, not per part
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kvbuf, scores;
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t t0 = (task - first[b]) * kDecodePart;
       const int64_t n = std::min(kDecodePart, indptr[b + 1] - indptr[b] - t0);
       if (n > 0) {
         decode_part_avx2(qf.data() + b * hd, k, v, idx + indptr[b] + t0, n, heads, kv_heads, d, m.data() + task * heads,
-                         l.data() + task * heads, acc.data() + task * hd, kvbuf, scores);
+                         l.data() + task * heads, acc.data() + task * hd, scores);
       } else {  // no tokens: a part that adds nothing
         std::fill(m.data() + task * heads, m.data() + (task + 1) * heads, 0.f);
         std::fill(l.data() + task * heads, l.data() + (task + 1) * heads, 0.f);
