@@ -404,10 +404,10 @@ class HashBlockCache:
         if not all(map(_REF_CNT, blocks)):
             bad = next(b for b in blocks if not b.ref_cnt)
             raise LockError(f"unlock of {bad!r} whose reference count is already 0 (or no longer cached)")
-        if blocks and not blocks[-1].tail_locks:
-            raise LockError(f"unlock of a handle ending at {blocks[-1]!r}, which holds no lock of its own "
-                            "(its blocks are referenced by longer handles only)")
         if blocks:
+            if not blocks[-1].tail_locks:
+                raise LockError(f"unlock of a handle ending at {blocks[-1]!r}, which holds no lock of its own "
+                                "(its blocks are referenced by longer handles only)")
             blocks[-1].tail_locks -= 1
         released = []
         for block in blocks:

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -572,6 +573,12 @@ void scores_heads(const float* qf, int64_t d, const T* k, int64_t row, const int
   }
 }
 
+// Rows of base, stride apart, of query heads qh .. qh + 2 (clamped to the last head: a block of fewer
+// than 3 heads never touches the rows past its own).
+inline std::array<float*, 3> head_rows(float* base, int64_t qh, int64_t heads, int64_t stride) {
+  return {base + qh * stride, base + std::min(qh + 1, heads - 1) * stride, base + std::min(qh + 2, heads - 1) * stride};
+}
+
 // Attention of one query row per head over tokens slots[0:n) of one request, all heads: for each
 // query head qh, m[qh] = its largest score, l[qh] = sum_t exp(s_t - m), acc[qh] = sum_t exp(s_t - m) v_t
 // (unnormalized, so parts of one request merge exactly). qf: [H, D] float32, already scaled.
@@ -584,22 +591,20 @@ void decode_part_avx2(const float* qf, const T* k, const T* v, const int64_t* sl
   scores.resize(heads * padded);
   for (int64_t qh = 0; qh < heads;) {  // blocks of up to 3 query heads that share a KV head
     const int64_t kh = qh / group, hb = std::min<int64_t>(3, (kh + 1) * group - qh);
-    float* s[3] = {scores.data() + qh * padded, scores.data() + std::min(qh + 1, heads - 1) * padded,
-                   scores.data() + std::min(qh + 2, heads - 1) * padded};
-    if (hb == 3) scores_heads<T, 3>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
-    else if (hb == 2) scores_heads<T, 2>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
-    else scores_heads<T, 1>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s);
+    const auto s = head_rows(scores.data(), qh, heads, padded);
+    if (hb == 3) scores_heads<T, 3>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s.data());
+    else if (hb == 2) scores_heads<T, 2>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s.data());
+    else scores_heads<T, 1>(qf + qh * d, d, k + kh * d, row, slots, n, padded, s.data());
     qh += hb;
   }
   for (int64_t qh = 0; qh < heads; ++qh) l[qh] = 1.f / softmax_row(scores.data() + qh * padded, n, padded, m + qh);
   for (int64_t qh = 0; qh < heads;) {
     const int64_t kh = qh / group, hb = std::min<int64_t>(3, (kh + 1) * group - qh);
-    const float* p[3] = {scores.data() + qh * padded, scores.data() + std::min(qh + 1, heads - 1) * padded,
-                         scores.data() + std::min(qh + 2, heads - 1) * padded};
-    float* o[3] = {acc + qh * d, acc + std::min(qh + 1, heads - 1) * d, acc + std::min(qh + 2, heads - 1) * d};
-    if (hb == 3) pv_heads<T, 3>(p, v + kh * d, row, slots, n, d, o);
-    else if (hb == 2) pv_heads<T, 2>(p, v + kh * d, row, slots, n, d, o);
-    else pv_heads<T, 1>(p, v + kh * d, row, slots, n, d, o);
+    const auto p = head_rows(scores.data(), qh, heads, padded);
+    const auto o = head_rows(acc, qh, heads, d);
+    if (hb == 3) pv_heads<T, 3>(p.data(), v + kh * d, row, slots, n, d, o.data());
+    else if (hb == 2) pv_heads<T, 2>(p.data(), v + kh * d, row, slots, n, d, o.data());
+    else pv_heads<T, 1>(p.data(), v + kh * d, row, slots, n, d, o.data());
     qh += hb;
   }
 }
@@ -966,8 +971,11 @@ void check_kv_csr(const torch::Tensor& idx, const int64_t* ip, int64_t reqs, int
   TORCH_CHECK(lo >= 0 && (ip[reqs] == ip[0] || hi < pool_slots), "kv_indices must be slots of the pool");
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
-                           torch::Tensor kv_indptr, double scale) {
+// check_slots = false skips the O(nnz) pass of check_kv_csr, for a caller that has made it already
+// for these indices and a pool of this size (DecodeStack: one pass per step instead of one per layer).
+torch::Tensor paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                const torch::Tensor& kv_indices, const torch::Tensor& kv_indptr, double scale,
+                                bool check_slots) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "q [B, H, D], pools [S, Hkv, D]");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
@@ -980,7 +988,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   auto indptr = kv_indptr.contiguous();
   auto out = torch::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1), d = q.size(2);
-  check_kv_csr(idx, indptr.data_ptr<int64_t>(), batch, k_pool.size(0));
+  if (check_slots) check_kv_csr(idx, indptr.data_ptr<int64_t>(), batch, k_pool.size(0));
 #ifdef RADIXKV_AVX512_BF16
   if (q.scalar_type() == at::kBFloat16 && d % 32 == 0 && d <= 32 * kMaxChunks && heads / kv_heads <= kMaxGroup) {
     auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
@@ -1011,6 +1019,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
                               heads, kv_heads, d, static_cast<float>(scale));
   });
   return out;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_indices,
+                           torch::Tensor kv_indptr, double scale) {
+  return paged_decode_impl(q, k_pool, v_pool, kv_indices, kv_indptr, scale, true);
 }
 
 // Whether paged_prefill has a path for this storage dtype and head_dim on the CPU it was compiled for:
@@ -1175,6 +1188,9 @@ class DecodeStack {
       : layers_(std::move(layers)), heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
     TORCH_CHECK(has_avx2(), "DecodeStack needs the AVX2 small_linear kernel (compiled for this machine)");
     TORCH_CHECK(!layers_.empty() && heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "DecodeStack: shapes");
+    for (const DecodeLayer& L : layers_)
+      TORCH_CHECK(L.k_pool.sizes() == layers_[0].k_pool.sizes() && L.v_pool.sizes() == L.k_pool.sizes(),
+                  "DecodeStack: every layer's pools have one shape");
   }
 
   // x [B, hidden] (the embedded tokens, one per request); cos, sin [B, D]; slots [B] int64 (where each
@@ -1185,6 +1201,10 @@ class DecodeStack {
                         const torch::Tensor& kv_indptr) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == layers_[0].k_pool.scalar_type(), "DecodeStack: x [B, hidden]");
     const int64_t n = x.size(0), d = layers_[0].k_pool.size(2);
+    TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
+                kv_indptr.numel() == n + 1, "DecodeStack: kv_indices, kv_indptr [B + 1] int64");
+    const auto idx = kv_indices.contiguous(), indptr = kv_indptr.contiguous();
+    check_kv_csr(idx, indptr.data_ptr<int64_t>(), n, layers_[0].k_pool.size(0));  // once: every layer's pool is alike
     auto h = x.contiguous().clone();  // the residual stream, updated in place by rms_norm
     torch::Tensor delta;              // the previous sublayer's output, added into h by the next norm
     for (const DecodeLayer& L : layers_) {
@@ -1192,14 +1212,12 @@ class DecodeStack {
       auto qkv = small_linear(a, L.qkv, L.qkv_bias);  // [B, (H + 2 Hkv) D]
       rope_store(qkv, cos, sin, L.k_pool, L.v_pool, slots, heads_, kv_heads_);
       auto q = qkv.narrow(1, 0, heads_ * d).contiguous().view({n, heads_, d});
-      auto o = paged_decode(q, L.k_pool, L.v_pool, kv_indices, kv_indptr, scale_);  // [B, H, D]
+      auto o = paged_decode_impl(q, L.k_pool, L.v_pool, idx, indptr, scale_, false);  // [B, H, D]
       auto m = rms_norm(small_linear(o.view({n, heads_ * d}), L.o, L.o_bias), h, L.post_norm, eps_);
       delta = small_linear(silu_mul(small_linear(m, L.gate_up, L.gate_up_bias)), L.down, L.down_bias);
     }
     return h.add_(delta);
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   std::vector<DecodeLayer> layers_;
@@ -1233,6 +1251,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"))
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
-           py::arg("kv_indices"), py::arg("kv_indptr"))
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+           py::arg("kv_indices"), py::arg("kv_indptr"));
 }

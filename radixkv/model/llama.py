@@ -1,8 +1,8 @@
 """A one-file Llama-family decoder that reads and writes KV through the paged pool.
 
 Covers LlamaForCausalLM checkpoints (SmolLM2 is one), with Qwen2-style q/k/v
-biases, Llama's optional attention and MLP biases, and tied embeddings: RoPE (default and Llama-3 scaling), RMSNorm,
-SwiGLU, grouped-query attention. Module names mirror Hugging Face's, except
+biases, Llama's optional attention and MLP biases, and tied embeddings: RoPE
+(default and Llama-3 scaling), RMSNorm, SwiGLU, grouped-query attention. Module names mirror Hugging Face's, except
 that q/k/v and gate/up projections are stacked into one matrix each
 (``qkv_proj``, ``gate_up_proj``: one matmul instead of three and two, which
 matters at decode batch sizes); ``load_hf_state_dict`` stacks them.

@@ -75,7 +75,8 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels: ModuleType):
         self.kernels = kernels
-        self._stack: tuple[Any, KVPool, Any, int] | None = None  # (layers, pool, DecodeStack, max rows)
+        # (layers, pool, (DecodeStack, max rows) or None where the layers have no tiles), for the last pair seen
+        self._stack: tuple[Any, KVPool, tuple[Any, int] | None] | None = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x.contiguous(), None, weight, eps)
@@ -104,19 +105,29 @@ class CpuKernelOps(TorchOps):
         return stack[0].forward(x, cos.reshape(n, d), sin.reshape(n, d), out_slots, *plan)
 
     def _decode_stack(self, layers: Sequence[Any], pool: KVPool, backend: Any) -> tuple[Any, int] | None:
-        """``(DecodeStack, max rows)`` for ``layers`` over ``pool``, or None where a layer has no tiles."""
-        if self._stack is not None and self._stack[0] is layers and self._stack[1] is pool:
-            return self._stack[2:]
-        found = [layer.small_linear_weights() if hasattr(layer, "small_linear_weights") else None for layer in layers]
-        if not found or any(f is None for f in found) or not self.kernels.has_avx2():
+        """``(DecodeStack, max rows)`` for ``layers`` over ``pool``, or None where a layer has no tiles.
+
+        Either answer is kept for the pair, so a model that cannot use the stack pays for finding that out once.
+        """
+        if self._stack is None or self._stack[0] is not layers or self._stack[1] is not pool:
+            self._stack = (layers, pool, self._build_stack(layers, pool, backend))
+        return self._stack[2]
+
+    def _build_stack(self, layers: Sequence[Any], pool: KVPool, backend: Any) -> tuple[Any, int] | None:
+        found = []
+        for layer in layers:
+            weights = layer.small_linear_weights() if hasattr(layer, "small_linear_weights") else None
+            if weights is None:
+                return None
+            found.append(weights)
+        if not found or not self.kernels.has_avx2():
             return None
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
         stack = self.kernels.DecodeStack(
             [self.kernels.DecodeLayer(**weights, k_pool=pool.k[i], v_pool=pool.v[i]) for i, (weights, _) in
              enumerate(found)],
             heads=attn.cfg.num_heads, kv_heads=attn.cfg.num_kv_heads, eps=norm.eps, scale=backend.scale)
-        self._stack = (layers, pool, stack, min(rows for _, rows in found))
-        return self._stack[2:]
+        return stack, min(rows for _, rows in found)
 
 
 def ops_for_backend(backend: object) -> TorchOps:
