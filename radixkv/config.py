@@ -17,7 +17,9 @@ class EngineConfig:
     """All engine settings. Unknown or out-of-range values raise ``ValueError`` at construction.
 
     ``kv_cache_tokens=None`` sizes the KV pool from free memory: a quarter of
-    the memory available now, capped at 2**20 tokens (see ``LLM``).
+    the memory available once the weights are loaded (the GPU's on a CUDA
+    device, the host's otherwise), at least 1,024 and at most 2**20 tokens
+    (``radixkv.engine.default_kv_tokens``).
     ``in_batch_sharing`` is SGLang's in-batch prefix caching threshold: of
     waiting requests sharing an uncached prefix of at least that many tokens,
     one is admitted first and the rest follow once its prefill is cached

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class LLM:
         mc = self.model.config
         ps, dtype = cfg.kv_page_size, getattr(torch, cfg.dtype)
         tokens = cfg.kv_cache_tokens or default_kv_tokens(
-            KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype))
+            KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype), cfg.device)
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=ps,
                            dtype=dtype, device=cfg.device)
         self.allocator = SlotAllocator(self.pool.num_slots, ps)
@@ -116,6 +117,10 @@ class LLM:
                     namespace: Hashable = None) -> int:
         """Queue one request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
         params = params or SamplingParams()
+        return self._queue(self._checked(prompt, params), params, namespace)
+
+    def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ``ValueError`` if the engine could never serve it."""
         ids = self._encode(prompt)
         mc = self.model.config
         if not ids:
@@ -130,6 +135,9 @@ class LLM:
         if need - 1 > self.allocator.capacity:  # the last generated token's KV is never computed
             raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) cannot fit in the "
                              f"KV pool of {self.allocator.capacity} tokens even alone")
+        return ids
+
+    def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
         rid = self._next_id
         self._next_id += 1
         self.waiting.append(_Seq(rid, ids, params, namespace, time.perf_counter(),
@@ -157,11 +165,19 @@ class LLM:
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order.
+
+        Every prompt is checked before any is queued: one bad prompt raises
+        ``ValueError`` and leaves the engine as it was.
+        """
+        if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        params = [sp or SamplingParams() for sp in params]
+        checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        rids = [self._queue(ids, sp, None) for ids, sp in zip(checked, params, strict=True)]
         done: dict[int, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
@@ -179,7 +195,7 @@ class LLM:
         prompts = []
         for conv in conversations:
             for msg in conv:
-                if msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
+                if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
                     raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
             ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in transformers 5
@@ -351,13 +367,29 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in prompt]
+        ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # numpy arrays and tensors too
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+        if bad:
+            raise ValueError(f"token ids must be integers, got {bad[:5]}")
+        return [int(t) for t in ids]
 
 
-def default_kv_tokens(bytes_per_slot: int) -> int:
-    """KV pool size when none is given: a quarter of the memory available now, at most 2**20 tokens."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        avail = 4 << 30
+def _is_token_list(prompts) -> bool:
+    """Whether ``generate``'s argument is one prompt of token ids rather than a list of prompts."""
+    if hasattr(prompts, "ndim"):  # a numpy array or a tensor: 1-D is one prompt
+        return prompts.ndim == 1
+    return bool(prompts) and isinstance(prompts[0], Integral)
+
+
+def default_kv_tokens(bytes_per_slot: int, device: str = "cpu") -> int:
+    """KV pool size when none is given: a quarter of the memory available now, at least 1,024 and at
+    most 2**20 tokens. Available means the device's free memory on a GPU (after the weights are
+    loaded), the host's free pages otherwise."""
+    if torch.device(device).type == "cuda":
+        avail = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 4 << 30
     return int(max(1024, min(avail // 4 // bytes_per_slot, 1 << 20)))

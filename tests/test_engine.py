@@ -90,6 +90,30 @@ def test_bad_input_is_rejected_and_the_engine_goes_on():
     llm.check_idle()
 
 
+def test_one_bad_prompt_in_a_list_queues_none_of_them():
+    """generate() checks every prompt first: a bad one leaves nothing queued to be served and dropped later."""
+    llm = engine(kv=256)
+    for bad in ([], [1, 2, 10**6], [1, 2.5, 3], [1, True]):
+        with pytest.raises(ValueError):
+            llm.generate([PROMPTS[1], bad], GREEDY)
+        assert not llm.has_unfinished()
+    assert llm.stats()["prompt_tokens"] == 0
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].num_prompt_tokens == 25
+    llm.check_idle()
+
+
+def test_prompts_as_arrays_and_tensors():
+    import numpy as np
+
+    llm = engine()
+    want = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
+    assert llm.generate(np.array(PROMPTS[1]), GREEDY)[0].token_ids == want  # one 1-D array: one prompt
+    assert llm.generate(torch.tensor(PROMPTS[1]), GREEDY)[0].token_ids == want
+    assert [o.token_ids for o in llm.generate(np.array([PROMPTS[1]] * 2), GREEDY)] == [want, want]
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate([PROMPTS[1]] * 2, [GREEDY])
+
+
 def test_step_by_step_driving_and_stats():
     llm = engine()
     rid = llm.add_request(PROMPTS[0], GREEDY)
@@ -111,6 +135,8 @@ def test_chat_on_smollm2_and_unknown_role():
     assert out.num_prompt_tokens > 5 and 1 <= len(out.token_ids) <= 4 and isinstance(out.text, str)
     with pytest.raises(ValueError, match="role"):
         llm.chat([[{"role": "robot", "content": "hi"}]])
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([["not a message"]])
     again = llm.chat([conv + [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Bye"}]],
                      SamplingParams(max_new_tokens=2))[0]
     assert again.num_cached_tokens > 0
