@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import os
+import re
 from dataclasses import asdict, dataclass
+from numbers import Integral, Real
 
 from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
@@ -51,6 +55,21 @@ class EngineConfig:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        ints = ("page_size", "block_size", "max_batch_tokens", "chunked_prefill_size", "max_running",
+                "in_batch_sharing", "seed")
+        types = [(_is_int(getattr(self, name)), f"{name} must be an integer") for name in ints] + [
+            (self.kv_cache_tokens is None or _is_int(self.kv_cache_tokens),
+             "kv_cache_tokens must be an integer or None"),
+            (isinstance(self.record_steps, bool), "record_steps must be a bool"),
+            (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
+            (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+             "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ]
+        for ok, message in types:  # first, so that the range checks below compare numbers
+            if not ok:
+                raise ValueError(f"invalid EngineConfig: {message} (got {self})")
         checks = [
             (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
             (self.eviction_policy in EVICTION_POLICIES, f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}"),
@@ -89,8 +108,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Checked here, not where they are used: a value that failed inside a batch would stop the batch.
+        stops = self.stop_token_ids
+        try:
+            stops = () if stops is None else (stops,) if _is_int(stops) else tuple(stops)
+        except TypeError:
+            raise ValueError(f"invalid SamplingParams: stop_token_ids must be integers (got {stops!r})") from None
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops if _is_int(t)))
+        checks = [
+            (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
+            (_is_real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
+            (_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
+            (_is_int(self.top_k) and self.top_k >= -1, "top_k must be an integer: -1 or 0 (off), or >= 1"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed must be None or an "
+             "integer in [0, 2**63)"),
+            (len(self.stop_token_ids) == len(stops), "stop_token_ids must be integers"),
+            (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid SamplingParams: {message} (got {self})")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)

@@ -66,7 +66,7 @@ class _Seq:
     cached: int = 0  # leading slots owned by the cache (locked through ``node``)
     computed: int = 0  # leading tokens whose KV is in the pool
     node: object = None
-    hit: int = 0  # prompt tokens matched in the cache at (last) admission
+    hit: int = -1  # prompt tokens matched in the cache at its first admission (-1: not admitted yet)
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -84,8 +84,10 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", prefix_cache: str = "radix",
                  enable_prefix_caching: bool | None = None, **settings):
-        if enable_prefix_caching is False:
+        if enable_prefix_caching is not None and not enable_prefix_caching:
             prefix_cache = "none"
+        elif enable_prefix_caching and prefix_cache == "none":
+            raise ValueError("enable_prefix_caching=True contradicts prefix_cache='none'")
         self.config = EngineConfig(model=model, prefix_cache=prefix_cache, **settings)
         cfg = self.config
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
@@ -108,6 +110,7 @@ class LLM:
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self._next_id = 0
+        self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
         self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0,
                        "evicted_tokens": 0, "evictions": 0, "preemptions": 0, "steps": 0, "step_s": 0.0, "model_s": 0.0}
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
@@ -117,6 +120,10 @@ class LLM:
                     namespace: Hashable = None) -> int:
         """Queue one request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
         params = params or SamplingParams()
+        try:
+            hash(namespace)  # the cache keys its trees by it: an unhashable one would fail every later step
+        except TypeError:
+            raise ValueError(f"namespace must be hashable, got {type(namespace).__name__}") from None
         return self._queue(self._checked(prompt, params), params, namespace)
 
     def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
@@ -141,18 +148,20 @@ class LLM:
         rid = self._next_id
         self._next_id += 1
         self.waiting.append(_Seq(rid, ids, params, namespace, time.perf_counter(),
-                                 seeded_generator(params.seed)))
+                                 seeded_generator(params.seed, self.config.device)))
         return rid
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a request is queued or running, or finished but not yet returned by ``step()``."""
+        return bool(self.waiting or self.running or self._unclaimed)
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run the model once, and return the requests that finished."""
         t0 = time.perf_counter()
+        unclaimed, self._unclaimed = self._unclaimed, []
         batch = self._schedule()
         if not batch:
-            return []
+            return unclaimed
         prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
         logits, ab, model_s = self._forward(batch)
         finished = self._postprocess(batch, logits)
@@ -161,14 +170,16 @@ class LLM:
         self._stats["model_s"] += model_s
         if self.config.record_steps:
             self.step_log.append(StepRecord.of(ab, seconds, model_s, prefill_rows))
-        return finished
+        return unclaimed + finished
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order.
 
         Every prompt is checked before any is queued: one bad prompt raises
-        ``ValueError`` and leaves the engine as it was.
+        ``ValueError`` and leaves the engine as it was. Requests queued
+        earlier with ``add_request`` share its batches; those that finish
+        meanwhile are returned by the next ``step()``.
         """
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
@@ -179,9 +190,12 @@ class LLM:
         checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
         rids = [self._queue(ids, sp, None) for ids, sp in zip(checked, params, strict=True)]
         done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
+        while len(done) < len(rids):
             for out in self.step():
-                done[out.request_id] = out
+                if out.request_id in rids:
+                    done[out.request_id] = out
+                else:  # added with add_request: the next step() returns it
+                    self._unclaimed.append(out)
         self.check_idle()
         return [done[r] for r in rids]
 
@@ -194,6 +208,8 @@ class LLM:
             raise ValueError(f"model {self.config.model!r} has no tokenizer or chat template")
         prompts = []
         for conv in conversations:
+            if not conv:
+                raise ValueError("empty conversation: give at least one message")
             for msg in conv:
                 if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
                     raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
@@ -225,7 +241,7 @@ class LLM:
         """At idle no slot is leaked and the cache's invariants hold (AssertionError otherwise)."""
         self.cache.check_invariants()
         held = self.allocator.num_free + self.cache.evictable_size + self.cache.protected_size
-        if not self.has_unfinished() and held != self.allocator.capacity:
+        if not (self.waiting or self.running) and held != self.allocator.capacity:
             raise AssertionError(f"slots leaked: free + evictable + protected = {held} != {self.allocator.capacity}")
 
     # --------------------------------------------------------------- scheduling
@@ -246,7 +262,7 @@ class LLM:
                 break
             m = match_for_prefill(self.cache, s.prompt, s.namespace)
             self.cache.lock(m.node)
-            s.node, s.slots, s.cached, s.computed, s.hit = m.node, m.indices, m.length, m.length, m.length
+            s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
             n = min(len(s.prompt) - s.computed, cfg.chunked_prefill_size, budget)
             if not self._allocate(s, n):
                 self.cache.unlock(m.node)
@@ -254,8 +270,10 @@ class LLM:
                 break
             self.waiting.remove(s)
             self.running.append(s)
-            self._stats["prompt_tokens"] += len(s.prompt)
-            self._stats["cached_tokens"] += m.length
+            if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
+                s.hit = m.length
+                self._stats["prompt_tokens"] += len(s.prompt)
+                self._stats["cached_tokens"] += m.length
             batch.append((s, n))
             budget -= n
         return batch
@@ -303,7 +321,7 @@ class LLM:
         self.allocator.free(s.slots[s.cached:])
         self.cache.unlock(s.node)
         s.node, s.slots, s.cached, s.computed, s.output, s.token_times = None, np.zeros(0, np.int64), 0, 0, [], []
-        s.generator = seeded_generator(s.params.seed)  # a recomputation samples the same tokens
+        s.generator = seeded_generator(s.params.seed, self.config.device)  # a recomputation samples the same tokens
         self.running.remove(s)
         self.waiting.insert(0, s)
         self._stats["preemptions"] += 1
@@ -344,9 +362,10 @@ class LLM:
         return finished
 
     def _done(self, s: _Seq, tok: int) -> bool:
-        eos = self.model.config.eos_token_id
+        mc = self.model.config
+        eos = mc.eos_token_ids or ((mc.eos_token_id,) if mc.eos_token_id is not None else ())
         return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids
-                or (not s.params.ignore_eos and eos is not None and tok == eos))
+                or (not s.params.ignore_eos and tok in eos))
 
     def _cache_progress(self, s: _Seq) -> None:
         """Insert the request's computed prompt tokens; free duplicates; adopt the cache's slots and move the lock."""

@@ -77,6 +77,76 @@ def test_torch_dtype_and_device_are_accepted_as_their_names():
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not found"):  # ModelNotFoundError is both
+        LLM(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("kwargs", [dict(page_size="4"), dict(page_size=2.5), dict(kv_cache_tokens=100.5),
+                                    dict(kv_cache_tokens=True), dict(device="tpu"), dict(seed="x"),
+                                    dict(record_steps="yes"), dict(prefix_cache="none", enable_prefix_caching=True)])
+def test_config_values_of_the_wrong_type_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        LLM("tiny-random", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=2.5), dict(top_k=-5), dict(temperature=float("nan")),
+                                    dict(max_new_tokens=2.5), dict(max_new_tokens=True), dict(ignore_eos="no"),
+                                    dict(seed=2**70), dict(seed="abc"), dict(stop_token_ids=["a"]),
+                                    dict(stop_token_ids=5.0), dict(top_p=0.0)])
+def test_bad_sampling_params_raise_before_anything_runs(kwargs):
+    """A value that failed inside a batch would leave the batch's requests running with nothing to step them."""
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_accepts_none_and_a_single_id():
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,)
+
+
+def test_unhashable_namespace_is_rejected_and_queues_nothing():
+    llm = engine()
+    with pytest.raises(ValueError, match="hashable"):
+        llm.add_request(PROMPTS[1], GREEDY, namespace=["tenant"])
+    assert not llm.has_unfinished()
+    llm.add_request(PROMPTS[1], GREEDY, namespace=("tenant", 1))
+    while llm.has_unfinished():
+        llm.step()
+    llm.check_idle()
+
+
+def test_generate_keeps_the_outputs_of_requests_added_before():
+    """generate() serves its own prompts; a request queued earlier that finishes meanwhile is not dropped."""
+    llm = engine()
+    rid = llm.add_request(PROMPTS[2], GREEDY)
+    mine = llm.generate([PROMPTS[1]], GREEDY)
+    assert [o.num_prompt_tokens for o in mine] == [25]
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [o.request_id for o in outs] == [rid] and len(outs[0].token_ids) == 12
+    llm.check_idle()
+
+
+def test_a_preempted_request_counts_its_prompt_once():
+    """Re-admission after preemption matches the request's own KV: not a cache hit, and not new prompt tokens."""
+    llm = LLM("tiny-random", kv_cache_tokens=128, chunked_prefill_size=16, max_batch_tokens=32)
+    prompts = [[3 + i] * 30 for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["preemptions"] > 0
+    assert stats["prompt_tokens"] == 120 and stats["cached_tokens"] == sum(o.num_cached_tokens for o in outs)
+    llm.check_idle()
+
+
+def test_every_eos_id_of_the_model_stops_a_request():
+    import dataclasses
+
+    llm = engine()
+    first = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids[0]
+    llm.model.config = dataclasses.replace(llm.model.config, eos_token_id=0, eos_token_ids=(0, first))
+    assert len(llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12))[0].token_ids) == 1
+    assert len(llm.generate([PROMPTS[1]], GREEDY)[0].token_ids) == 12  # ignore_eos
 
 
 def test_bad_input_is_rejected_and_the_engine_goes_on():
@@ -137,6 +207,8 @@ def test_chat_on_smollm2_and_unknown_role():
         llm.chat([[{"role": "robot", "content": "hi"}]])
     with pytest.raises(ValueError, match="role"):
         llm.chat([["not a message"]])
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([[]])
     again = llm.chat([conv + [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Bye"}]],
                      SamplingParams(max_new_tokens=2))[0]
     assert again.num_cached_tokens > 0

