@@ -20,13 +20,12 @@ the peers' (vLLM 0.32 on the CPU, measured on this machine class; see
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from experiments.bench_model import timed
-from experiments.common import environment, parser, table
+from experiments.common import environment, parser, table, with_ext
 from experiments.multiturn import parse_args as multiturn_args
 from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{'met' if c['met'] else 'MISSED':6s}] {c['target']}: ours {fmt(c['ours'])}, bound {fmt(c['bound'])}")
     result = {"config": vars(args), "env": environment(), "multiturn": summary, "micro": micro, "targets": checks,
               "peers": {"vllm_cpu": VLLM, "transformers": TRANSFORMERS_PEER}}
-    out = Path(args.out).with_suffix(".json")
+    out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))
     print("wrote", out)

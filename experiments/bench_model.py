@@ -16,13 +16,12 @@ import copy
 import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from experiments.common import environment, parser
+from experiments.common import environment, parser, with_ext
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
 from radixkv.kv_pool import KVPool
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  if "transformers_s" in r else
                  f"full 1152 {r['full_1152_s'] * 1e3:8.1f} ms  speedup {r['speedup_vs_full']:.2f}x")
         print(f"{r['dtype']:15s} {r['op']:30s} ours {r['ours_s'] * 1e3:8.1f} ms  {extra}")
-    out = Path(args.out).with_suffix(".json")
+    out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "env": environment(), "rows": rows}, indent=2))
     print("wrote", out)

@@ -8,8 +8,11 @@ only the rows, so a figure can be redrawn from the file.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import math
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -29,19 +32,64 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
 
 
 def environment() -> dict:
-    """Where the numbers came from."""
-    return {"python": platform.python_version(), "numpy": np.__version__, "platform": platform.platform(),
-            "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    """Where the numbers came from: versions, the code's git commit (and whether it had local changes), the command."""
+    return {"python": platform.python_version(), "numpy": np.__version__, "torch": _version("torch"),
+            "radixkv": _version("radixkv"), **_git_state(), "platform": platform.platform(), "argv": sys.argv,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_state() -> dict:
+    """``git_commit`` and ``git_dirty`` of the checkout these experiments run from (None outside a checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    if commit.returncode != 0:
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
+
+
+def with_ext(out: str | Path, ext: str) -> Path:
+    """``out`` with extension ``ext``. Unlike ``Path.with_suffix`` it keeps dots in the name
+    (``results/cap0.5`` -> ``results/cap0.5.jsonl``), replacing only an extension the experiments write."""
+    path = Path(out)
+    if path.suffix in _OUR_EXTS:
+        path = path.with_suffix("")
+    return path.with_name(path.name + ext)
+
+
+_OUR_EXTS = (".jsonl", ".png", ".json")
 
 
 def write_rows(out: str | Path, rows: Iterable[dict]) -> Path:
-    """Write one JSON object per line to ``<out>.jsonl``; returns the path."""
-    path = Path(out).with_suffix(".jsonl")
+    """Write one JSON object per line to ``<out>.jsonl``; returns the path. NaN and infinities become
+    null, so every line is valid JSON."""
+    path = with_ext(out, ".jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for row in rows:
-            f.write(json.dumps(row, default=_jsonable) + "\n")
+            f.write(json.dumps(_finite(row), default=_jsonable, allow_nan=False) + "\n")
     return path
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -51,9 +99,9 @@ def read_rows(path: str | Path) -> list[dict]:
 
 def _jsonable(x):
     if isinstance(x, np.generic):
-        return x.item()
+        return _finite(x.item())
     if isinstance(x, np.ndarray):
-        return x.tolist()
+        return _finite(x.tolist())
     return str(x)
 
 
@@ -69,7 +117,7 @@ def table(rows: Sequence[dict], columns: Sequence[str], formats: dict[str, str] 
 
 
 def save_figure(fig, out: str | Path) -> Path:
-    path = Path(out).with_suffix(".png")
+    path = with_ext(out, ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path

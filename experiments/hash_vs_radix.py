@@ -71,7 +71,7 @@ def claim_full_hit_rule() -> dict:
 
 
 def claim_eviction_unit() -> dict:
-    """After one 13-token prompt, evict(1): how many tokens does the smallest eviction free?"""
+    """After two 13-token prompts sharing 6 tokens, evict(1): how many tokens does the smallest eviction free?"""
     out = {}
     for name, (cache, alloc) in fresh().items():
         serve(cache, alloc, list(range(13)))

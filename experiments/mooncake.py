@@ -69,17 +69,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     caps = [None if float(c) == 0 else int(float(c)) for c in args.capacities.split(",")]
     belady = {}
     if not args.no_belady:  # the clairvoyant reference at each finite capacity (radix, page 1)
-        for cap in tqdm([c for c in caps if c is not None], desc="belady", leave=False):
+        for cap in tqdm(caps, desc="belady", leave=False):  # unlimited: nothing is evicted, a plain replay
             belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running,
-                                   eviction_policy="belady").hit_rate
+                                   eviction_policy="belady" if cap is not None else "lru").hit_rate
     rows = []
     for arm in tqdm(args.arms.split(","), desc="arms"):
         for cap in tqdm(caps, desc=arm, leave=False):
             t0 = time.perf_counter()
             res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed, **ARMS[arm])
-            ref = belady.get(cap, bound["hit_rate"] if cap is None else None)  # unlimited: nothing to evict
-            rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": bound["hit_rate"],
-                         "pct_of_upper_bound": 100 * res.hit_rate / bound["hit_rate"],
+            ref, ub = belady.get(cap), bound["hit_rate"]
+            rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": ub,
+                         "pct_of_upper_bound": 100 * res.hit_rate / ub if ub else None,
                          "belady_hit_rate": ref, "pct_of_belady": 100 * res.hit_rate / ref if ref else None,
                          "replay_seconds": time.perf_counter() - t0, "trace": args.trace, "limit": args.limit,
                          "env": environment(), "args": vars(args)})

@@ -132,9 +132,9 @@ def simulate_cache(cache: str, args, cost: CostModel) -> tuple[list[dict], float
                    in_batch_sharing=args.in_batch_sharing if cache != "none" else None)
     rows = [{"cache": cache, "source": "simulated", "session": r["session"], "turn": r["turn"],
              "prompt_tokens": r["prompt_len"], "cached_tokens": r["hit"], "generated": r["output_len"],
-             "ttft": r["ttft"], "latency": r["latency"], "config": res.config} for r in res.per_request
-            if r["turn"] >= 0]
-    start = min(r["ready"] for r in res.per_request if r["turn"] >= 0)  # after the warm-up, as measured
+             "ttft": r["ttft"], "latency": r["latency"], "config": res.config, "rejected": res.rejected}
+            for r in res.per_request if r["turn"] >= 0 and not r["rejected"]]  # rejected: counted, no TTFT
+    start = min(r["ready"] for r in res.per_request if r["turn"] >= 0 and not r["rejected"])  # after the warm-up
     return rows, res.makespan - start
 
 
@@ -152,6 +152,7 @@ def summarize(cache: str, rows: list[dict], wall: float) -> dict:
     out.update(ttft_mean=float(ttft_all.mean()), ttft_p50=float(np.median(ttft_all)),
                ttft_p99=float(np.percentile(ttft_all, 99)),
                ttft_mean_later=float(np.mean([r["ttft"] for r in sel if r["turn"] >= 1] or [np.nan])))
+    out["rejected"] = sel[0].get("rejected", 0)  # requests that could never fit (simulated; the engine raises)
     if "engine_stats" in sel[0]:
         out["overhead_share"] = sel[0]["engine_stats"]["overhead_share"]
     return out
@@ -208,6 +209,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.simulate and args.calibrate:
         p.error("--simulate and --calibrate exclude each other (--calibrate runs the model and then simulates)")
+    if args.cost_model and not args.simulate:
+        p.error("--cost-model applies to --simulate only (--calibrate fits its own)")
+    for name in ("sessions", "turns", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.system_tokens < 0 or args.user_tokens < 1:
+        p.error("--system-tokens must be >= 0 and --user-tokens >= 1")
     return args
 
 

@@ -230,7 +230,7 @@ class _Simulation:
     def _reject(self, req: Request) -> None:
         self.result.rejected += 1
         self.result.per_request.append({"rid": req.rid, "session": req.session, "rejected": True,
-                                        "prompt_len": len(req.prompt), "hit": 0, "ttft": math.nan})
+                                        "prompt_len": len(req.prompt), "hit": 0, "ttft": math.nan, **req.meta})
         if self.future is not None:
             self.future.served(req.rid)
         self._release(req.rid, self.now)
@@ -384,7 +384,7 @@ def simulate(
         raise AssertionError(f"slots leaked: free + evictable + protected = {held} != capacity {allocator.capacity}")
     result.config = {
         "cache": cache if isinstance(cache, str) else type(cache).__name__, "capacity_tokens": capacity_tokens,
-        "kv_slots": allocator.capacity,
+        "kv_slots": allocator.capacity, "allocator_page": granularity,  # the hash cache allocates whole blocks
         "page_size": page_size, "block_size": block_size, "eviction_policy": eviction_policy,
         "schedule_policy": schedule_policy, "max_running": max_running, "seed": seed,
         "in_batch_sharing": in_batch_sharing, "cost_model": asdict(cost_model or CostModel()),

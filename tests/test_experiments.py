@@ -57,3 +57,60 @@ def test_calibrate_fits_a_cost_model_and_reports_predictions(tmp_path):
     again = multiturn.main([*TINY, "--simulate", "--cost-model", str(tmp_path / "c-costmodel.json"),
                             "--out", str(tmp_path / "s")])
     assert {s["cache"] for s in again} == {"none", "hash", "radix"}
+
+
+def test_bad_workload_flags_are_argparse_errors():
+    for flags in (["--turns", "0"], ["--sessions", "0"], ["--max-new-tokens", "0"], ["--cost-model", "x.json"]):
+        with pytest.raises(SystemExit):
+            multiturn.parse_args(flags)
+
+
+def test_simulate_with_rejected_requests_and_one_turn(tmp_path):
+    """A request that can never fit is rejected, not a crash; one turn has no later turns to average (null)."""
+    summary = multiturn.main([*TINY, "--simulate", "--kv-cache-tokens", "75", "--out", str(tmp_path / "r")])
+    assert {s["cache"] for s in summary} == {"none", "hash", "radix"}
+    rejected = {s["cache"]: s["rejected"] for s in summary}
+    assert rejected == {"none": 2, "radix": 2, "hash": 4}  # turn 3 needs 87 slots; hash's turn 2, 5 blocks of 16
+    assert not any("ttft_mean_t3" in s for s in summary)
+    one = multiturn.main([*TINY, "--simulate", "--turns", "1", "--out", str(tmp_path / "one")])
+    assert all(s["ttft_later_vs_none"] is None or s["ttft_later_vs_none"] != s["ttft_later_vs_none"] for s in one)
+    for line in (tmp_path / "one.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in a results file"))
+
+
+def test_result_paths_keep_dots_and_record_the_code_version(tmp_path):
+    from experiments.common import environment, with_ext, write_rows
+
+    assert with_ext(tmp_path / "cap0.5", ".jsonl").name == "cap0.5.jsonl"
+    assert with_ext(tmp_path / "run.jsonl", ".png").name == "run.png"
+    path = write_rows(tmp_path / "cap0.5", [{"x": float("nan")}])
+    assert path.name == "cap0.5.jsonl" and json.loads(path.read_text()) == {"x": None}
+    env = environment()
+    assert {"git_commit", "git_dirty", "torch", "radixkv"} <= set(env)
+
+
+def test_simulate_grid_takes_belady_under_each_rows_schedule(tmp_path):
+    from experiments import simulate as sim_experiment
+    from radixkv import workloads
+    from radixkv.sim import simulate, upper_bound
+
+    rows = sim_experiment.main(["--workload", "multi_turn", "--scale", "0.25", "--caches", "radix,hash",
+                                "--capacity-fracs", "0.1", "--schedule-policies", "fcfs,lpm", "--max-running", "8",
+                                "--out", str(tmp_path / "g")])
+    requests = workloads.make("multi_turn", seed=0, sessions=5)
+    for r in rows:
+        want = simulate(requests, cache="radix", capacity_tokens=r["capacity_tokens"], eviction_policy="belady",
+                        schedule_policy=r["schedule_policy"], max_running=8, seed=0).hit_rate
+        assert r["belady_hit_rate"] == want
+        granularity = 16 if r["cache"] == "hash" else 1
+        assert r["upper_bound"] == upper_bound(requests, page_size=granularity)
+
+
+def test_mooncake_with_nothing_to_reuse_does_not_divide_by_zero(tmp_path):
+    from experiments import mooncake
+    from experiments.common import DEFAULT_TRACE
+
+    if not DEFAULT_TRACE.exists():
+        pytest.skip(f"needs the Mooncake trace at {DEFAULT_TRACE} (../shared, not in a fresh clone)")
+    rows = mooncake.main(["--limit", "1", "--capacities", "0", "--arms", "radix page 1", "--out", str(tmp_path / "m")])
+    assert rows[0]["upper_bound"] == 0 and rows[0]["pct_of_upper_bound"] is None
