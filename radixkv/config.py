@@ -120,8 +120,8 @@ class SamplingParams:
             (_is_real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
             (_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
             (_is_int(self.top_k) and self.top_k >= -1, "top_k must be an integer: -1 or 0 (off), or >= 1"),
-            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed must be None or an "
-             "integer in [0, 2**63)"),
+            (self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed must be None or "
+             "an integer in [-2**63, 2**64), the range torch.Generator takes"),
             (len(self.stop_token_ids) == len(stops), "stop_token_ids must be integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
         ]
