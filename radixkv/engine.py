@@ -190,9 +190,10 @@ class LLM:
         checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
         rids = [self._queue(ids, sp, None) for ids, sp in zip(checked, params, strict=True)]
         done: dict[int, RequestOutput] = {}
+        mine = set(rids)
         while len(done) < len(rids):
             for out in self.step():
-                if out.request_id in rids:
+                if out.request_id in mine:
                     done[out.request_id] = out
                 else:  # added with add_request: the next step() returns it
                     self._unclaimed.append(out)
