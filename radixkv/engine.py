@@ -163,7 +163,13 @@ class LLM:
         if not batch:
             return unclaimed
         prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
-        logits, ab, model_s = self._forward(batch)
+        try:
+            logits, ab, model_s = self._forward(batch)
+        except Exception:
+            for s, _ in batch:  # the batch's requests are dropped, so the engine goes on without them
+                self._release_unfinished(s)
+                self.running.remove(s)
+            raise
         finished = self._postprocess(batch, logits)
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
@@ -191,12 +197,16 @@ class LLM:
         rids = [self._queue(ids, sp, None) for ids, sp in zip(checked, params, strict=True)]
         done: dict[int, RequestOutput] = {}
         mine = set(rids)
-        while len(done) < len(rids):
-            for out in self.step():
-                if out.request_id in mine:
-                    done[out.request_id] = out
-                else:  # added with add_request: the next step() returns it
-                    self._unclaimed.append(out)
+        try:
+            while len(done) < len(rids):
+                for out in self.step():
+                    if out.request_id in mine:
+                        done[out.request_id] = out
+                    else:  # added with add_request: the next step() returns it
+                        self._unclaimed.append(out)
+        except BaseException:  # a failed step (or Ctrl-C): withdraw this call's requests, keep the others
+            self._withdraw(mine)
+            raise
         self.check_idle()
         return [done[r] for r in rids]
 
@@ -318,10 +328,21 @@ class LLM:
                 return False
         return True
 
-    def _preempt(self, s: _Seq) -> None:
+    def _withdraw(self, rids: set[int]) -> None:
+        """Drop the unfinished requests with these ids, freeing what they hold."""
+        for s in [s for s in self.running if s.rid in rids]:
+            self._release_unfinished(s)
+            self.running.remove(s)
+        self.waiting = [s for s in self.waiting if s.rid not in rids]
+
+    def _release_unfinished(self, s: _Seq) -> None:
+        """Free the request's own KV and unlock what it holds in the cache (its cached prefix stays cached)."""
         self.allocator.free(s.slots[s.cached:])
         self.cache.unlock(s.node)
         s.node, s.slots, s.cached, s.computed, s.output, s.token_times = None, np.zeros(0, np.int64), 0, 0, [], []
+
+    def _preempt(self, s: _Seq) -> None:
+        self._release_unfinished(s)
         s.generator = seeded_generator(s.params.seed, self.config.device)  # a recomputation samples the same tokens
         self.running.remove(s)
         self.waiting.insert(0, s)

@@ -296,3 +296,25 @@ def test_step_records_count_a_one_token_prefill_as_prefill():
     llm.generate([PROMPTS[0]], GREEDY)
     assert sum(r.prefill_tokens for r in llm.step_log) == llm.stats()["prefill_tokens"]
     assert sum(r.decodes for r in llm.step_log) == llm.stats()["decode_tokens"]
+
+
+def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
+    """An error inside the model (say, out of memory) raises; the failed requests free what they held."""
+    llm = engine(kv=512)
+    real = llm.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated out of memory")
+        return real(*args, **kwargs)
+
+    llm.model.forward = flaky
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(PROMPTS[:2], GREEDY)
+    assert not llm.has_unfinished()
+    llm.check_idle()  # nothing leaked, nothing still locked
+    assert llm.cache.protected_size == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in engine().generate(
+        PROMPTS[:2], GREEDY)]
