@@ -66,7 +66,8 @@ def engine_kwargs(cache: str, args) -> dict:
     return dict(prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
                 kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
                 schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
-                in_batch_sharing=args.in_batch_sharing, attention_backend=args.attention_backend,
+                in_batch_sharing=args.in_batch_sharing if cache != "none" else 0,  # what the engine applies
+                attention_backend=args.attention_backend,
                 dtype=args.dtype, seed=args.seed)
 
 
