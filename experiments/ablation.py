@@ -105,7 +105,8 @@ def plot(summary: list[dict], evictions: list[str], schedules: list[str]):
 def main(argv: list[str] | None = None) -> list[dict]:
     p = parser(__doc__.splitlines()[0], "results/ablation")
     p.add_argument("--workloads", default=",".join(SIZES))
-    p.add_argument("--capacity-fracs", default="0.05,0.2", help="KV budgets as fractions of all tokens")
+    p.add_argument("--capacity-fracs", default="0.05,0.2",
+                   help="KV budgets as fractions of all tokens (at least the longest request: 0 is that minimum)")
     p.add_argument("--evictions", default=",".join(EVICTIONS))
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--max-running", type=int, default=32)
