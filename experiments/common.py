@@ -8,6 +8,7 @@ only the rows, so a figure can be redrawn from the file.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import math
@@ -38,6 +39,7 @@ def environment() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
+@functools.cache  # environment() is called per result row; the answer does not change within a run
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -45,6 +47,7 @@ def _version(package: str) -> str | None:
         return None
 
 
+@functools.cache
 def _git_state() -> dict:
     """``git_commit`` and ``git_dirty`` of the checkout these experiments run from (None outside a checkout)."""
     root = Path(__file__).resolve().parents[1]

@@ -114,7 +114,6 @@ class SamplingParams:
             stops = () if stops is None else (stops,) if _is_int(stops) else tuple(stops)
         except TypeError:
             raise ValueError(f"invalid SamplingParams: stop_token_ids must be integers (got {stops!r})") from None
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops if _is_int(t)))
         checks = [
             (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
             (_is_real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
@@ -122,12 +121,13 @@ class SamplingParams:
             (_is_int(self.top_k) and self.top_k >= -1, "top_k must be an integer: -1 or 0 (off), or >= 1"),
             (self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed must be None or "
              "an integer in [-2**63, 2**64), the range torch.Generator takes"),
-            (len(self.stop_token_ids) == len(stops), "stop_token_ids must be integers"),
+            (all(map(_is_int, stops)), "stop_token_ids must be integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
 
 def _is_int(x: object) -> bool:

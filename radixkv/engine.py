@@ -166,9 +166,7 @@ class LLM:
         try:
             logits, ab, model_s = self._forward(batch)
         except Exception:
-            for s, _ in batch:  # the batch's requests are dropped, so the engine goes on without them
-                self._release_unfinished(s)
-                self.running.remove(s)
+            self._withdraw({s.rid for s, _ in batch})  # the engine goes on without the failed batch
             raise
         finished = self._postprocess(batch, logits)
         seconds = time.perf_counter() - t0

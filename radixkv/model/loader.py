@@ -52,7 +52,6 @@ class LoadedModel:
     source: str
 
 
-
 class ModelNotFoundError(FileNotFoundError, ValueError):
     """No such model: not a built-in name, not installed, or a path that is neither a GGUF file nor a
     checkpoint directory. A ``FileNotFoundError`` (nothing at that name) and a ``ValueError`` (a bad
