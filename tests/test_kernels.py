@@ -37,7 +37,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (48, 2), (64, 4), (32, 5)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (48, 2), (64, 4), (32, 5), (40, 3)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_backend_matches_dense_attention(case, head_dim, group, dtype, tol):
     """Decodes through paged_decode, prefill chunks through paged_prefill (bfloat16) or the reference."""
@@ -62,6 +62,24 @@ def test_prefill_kernel_is_as_close_to_exact_as_the_reference_in_bfloat16():
     err_ours = (ours.run(q, 0).float() - exact).abs().max()
     err_ref = (ref.run(q, 0).float() - exact).abs().max()
     assert err_ours <= err_ref * 1.5 + 1e-3
+
+
+def test_prefill_results_do_not_depend_on_earlier_calls():
+    """The prefill kernel keeps its scratch between calls; a shorter batch after a longer one sees none of it."""
+    k = kernels()
+
+    def run(prefix, new, seed):
+        pool, batch, q, _ = make_case(prefix, new, 1, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16,
+                                      seed=seed)
+        backend = make_backend("cpu", pool, 9)
+        backend.plan(batch)
+        assert backend.kernels is k
+        return backend.run(q, 0)
+
+    short_first = run([3, 0], [21, 5], seed=1)
+    long_first = run([700, 90], [150, 33], seed=2)
+    assert torch.equal(run([3, 0], [21, 5], seed=1), short_first)
+    assert torch.equal(run([700, 90], [150, 33], seed=2), long_first)
 
 
 def test_kernels_reject_bad_shapes_clearly():

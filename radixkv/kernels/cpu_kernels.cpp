@@ -445,36 +445,24 @@ inline void pv_accumulate(const float* const* p, int64_t n, Row row, __m256 (&ac
   }
 }
 
-// out[r][0:8C] = scale_r * sum_t p[r][t] * v[t][0:8C] for R rows at once; v rows float32 with stride vs.
+// acc[r][0:8C] += sum_{t0 <= t < t1} p[r][t] * v[t][0:8C] for R rows; v rows float32 with stride vs, acc
+// float32 rows in memory. A tile's partial sums are stored and reloaded exactly, so tiling the tokens keeps
+// the summation order (and the bits) of one pass over them.
 template <int R, int C>
-inline void pv_block(const float* const* p, const float* v, int64_t vs, int64_t n, const float* inv, float* const* out) {
-  __m256 acc[R][C];
+inline void pv_tile(const float* const* p, const float* v, int64_t vs, int64_t t0, int64_t t1, float* const* acc) {
+  __m256 a[R][C];
   RADIXKV_UNROLL
   for (int j = 0; j < R; ++j)
     RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) acc[j][c] = _mm256_setzero_ps();
-  pv_accumulate<R, C>(p, n, [&](int64_t t) { return v + t * vs; }, acc);
+    for (int c = 0; c < C; ++c) a[j][c] = _mm256_loadu_ps(acc[j] + 8 * c);
+  const float* pt[R];
+  RADIXKV_UNROLL
+  for (int j = 0; j < R; ++j) pt[j] = p[j] + t0;
+  pv_accumulate<R, C>(pt, t1 - t0, [&](int64_t t) { return v + (t0 + t) * vs; }, a);
   RADIXKV_UNROLL
   for (int j = 0; j < R; ++j)
     RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[j] + 8 * c, _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[j])));
-}
-
-// pv_block over all of head_dim (vecs vectors of 8) in chunks of up to 4 vectors.
-template <int R>
-void pv_rows(const float* const* p, const float* v, int64_t vs, int64_t n, int64_t vecs, const float* inv,
-             float* const* out) {
-  for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
-    float* o[R];
-    RADIXKV_UNROLL
-    for (int j = 0; j < R; ++j) o[j] = out[j] + 8 * c0;
-    switch (std::min<int64_t>(4, vecs - c0)) {
-      case 4: pv_block<R, 4>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 3: pv_block<R, 3>(p, v + 8 * c0, vs, n, inv, o); break;
-      case 2: pv_block<R, 2>(p, v + 8 * c0, vs, n, inv, o); break;
-      default: pv_block<R, 1>(p, v + 8 * c0, vs, n, inv, o); break;
-    }
-  }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc[j] + 8 * c, a[j][c]);
 }
 
 template <typename T>
@@ -649,121 +637,202 @@ void decode_avx2(const T* q, const T* k, const T* v, const int64_t* idx, const i
     }
 }
 
-// dst[j][0:16] = q_j . k_t for 4 query rows and the 16 tokens of two kt tiles (k0: [d][8], then the next
-// tile); only rows j < nr are stored. Every index into the accumulators is a constant after unrolling, so
-// they stay in registers.
-inline void scores_4x16(const float* const* qr, const float* k0, int64_t d, float* const* dst, int64_t nr) {
-  const float* k1 = k0 + 8 * d;
-  __m256 a[4][2];
+// dst[j][0:8V] = q_j . k_t for R query rows and the 8V tokens of V kt tiles (k0: [d][8], then the next
+// tiles); only rows j < nr are stored. Each step loads V K vectors and broadcasts R query values; every
+// index is a constant after unrolling, so the R x V accumulators stay in registers.
+template <int R, int V>
+inline void scores_block(const float* const* qr, const float* k0, int64_t d, float* const* dst, int64_t nr) {
+  __m256 a[R][V];
   RADIXKV_UNROLL
-  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < d; ++c) {
-    const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
+  for (int j = 0; j < R; ++j)
     RADIXKV_UNROLL
-    for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < V; ++i) a[j][i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    __m256 x[V];
+    RADIXKV_UNROLL
+    for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(k0 + i * 8 * d + c * 8);
+    RADIXKV_UNROLL
+    for (int j = 0; j < R; ++j) {
       const __m256 w = _mm256_broadcast_ss(qr[j] + c);
-      a[j][0] = _mm256_fmadd_ps(w, x0, a[j][0]);
-      a[j][1] = _mm256_fmadd_ps(w, x1, a[j][1]);
+      RADIXKV_UNROLL
+      for (int i = 0; i < V; ++i) a[j][i] = _mm256_fmadd_ps(w, x[i], a[j][i]);
     }
   }
   RADIXKV_UNROLL
-  for (int j = 0; j < 4; ++j)
-    if (j < nr) {
-      _mm256_storeu_ps(dst[j], a[j][0]);
-      _mm256_storeu_ps(dst[j] + 8, a[j][1]);
-    }
+  for (int j = 0; j < R; ++j)
+    if (j < nr)
+      RADIXKV_UNROLL
+      for (int i = 0; i < V; ++i) _mm256_storeu_ps(dst[j] + 8 * i, a[j][i]);
 }
 
 // Prefill chunks, causal after each request's cached prefix (the AVX-512 kernel's contract, any dtype):
 // K of each (request, KV head) is widened into tiles of 8 tokens, kt[tile][i][j] = k[8 tile + j][i],
 // so a query row's scores of 8 tokens are one broadcast-FMA per dimension; V into float32 rows.
-// Each task (request, KV head, block of queries) computes 4 rows x 16 tokens of scores at a time, an exact
-// float32 softmax per row, and P.V 2 rows x 32 dimensions at a time.
+// Each task (request, KV head, block of queries) computes scores 6 rows x 16 tokens at a time, an exact
+// float32 softmax per row, and P.V 6 rows x 16 dimensions at a time: 12 accumulators, and per step 2
+// vector loads and 6 broadcasts (which cost a load, not a shuffle, on Zen 3); in L1 that ran at 86% of
+// one core's FMA rate, 3 x 32 and 4 x 16 blocks at 58-65%. Both passes go a tile of tokens at a time
+// (its K or V in L1) through every row block, so a request's K and V stream from memory once per task.
 constexpr int64_t kQueryBlockAvx2 = 16;
+constexpr int64_t kRowBlockAvx2 = 6;   // query rows per register block
+constexpr int64_t kScoreTokens = 16;   // tokens per score block: spans are padded to a multiple
+
+// Tokens per tile: 16 KB of float32 K or V, a multiple of 32 tokens.
+inline int64_t prefill_tile(int64_t d) { return std::max<int64_t>(32, 4096 / d / 32 * 32); }
+
+// The first 64-byte boundary at or after p (buffers are allocated 16 floats longer): 32-byte loads from
+// rows that start on one never straddle two cache lines.
+inline float* align64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// r[i] = (r[0][i], ..., r[7][i]): an 8 x 8 float block transposed in registers.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Grows a scratch buffer to at least n elements; it never shrinks, so a reused one stops faulting pages in.
+template <typename V>
+inline void grow(V& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+}
+
+// KV head h of tokens slots[0:len), widened: kt in tiles of 8 tokens, kt[tile][c][j] = k[8 tile + j][c],
+// zero-padded to a multiple of kScoreTokens tokens; vf[t][c] = v[t][c]. d % 8 == 0.
+template <typename T>
+void pack_prefill_kv(const T* k, const T* v, const int64_t* slots, int64_t len, int64_t h, int64_t row_stride,
+                     int64_t d, float* kt, float* vf) {
+  const int64_t tiles = (len + 7) / 8;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const T* src[8];
+    const int64_t n = std::min<int64_t>(8, len - 8 * tile);
+    for (int64_t j = 0; j < n; ++j) src[j] = k + slots[8 * tile + j] * row_stride + h * d;
+    for (int64_t c = 0; c < d; c += 8) {
+      __m256 r[8];
+      for (int64_t j = 0; j < 8; ++j) r[j] = j < n ? load8(src[j] + c) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + tile * 8 * d + (c + i) * 8, r[i]);
+    }
+  }
+  std::fill(kt + tiles * 8 * d, kt + round_up(len, kScoreTokens) * d, 0.f);
+  for (int64_t t = 0; t < len; ++t) widen_row(v + slots[t] * row_stride + h * d, vf + t * d, d);
+}
+
+// A prefill thread's scratch: the packed K and V of one (request, KV head), and one task's query rows
+// (qf, count), scores and probabilities (sbuf, rows x width), unnormalized outputs (obuf) and 1 / sums.
+struct PrefillRows {
+  std::vector<float> kv, qf, sbuf, obuf, inv;
+  std::vector<int64_t> count, span;  // span[b]: tokens row block b scores, padded to kScoreTokens
+};
+
+// One task's attention: rows (query i0 + row / group, head h * group + row % group) of a request, ordered
+// by how many tokens they see (w.count[row]), against ktp / vp, its packed K and V for one KV head.
+// Leaves each row's unnormalized output in w.obuf (aligned) and 1 / its softmax sum in w.inv.
+inline void prefill_rows(PrefillRows& w, int64_t rows, int64_t width, const float* ktp, const float* vp, int64_t d) {
+  constexpr int64_t RB = kRowBlockAvx2, ST = kScoreTokens;
+  const int64_t blocks = (rows + RB - 1) / RB, tile = prefill_tile(d);
+  float* sb = align64(w.sbuf.data());
+  float* ob = align64(w.obuf.data());
+  auto block_rows = [&](int64_t b, auto* base, int64_t stride, auto* ptrs) {  // clamped: a short block repeats its last row
+    for (int64_t j = 0; j < RB; ++j) ptrs[j] = base + std::min(b * RB + j, rows - 1) * stride;
+    return std::min(RB, rows - b * RB);
+  };
+  auto last_count = [&](int64_t b) { return w.count[std::min(b * RB + RB - 1, rows - 1)]; };
+  w.span.resize(blocks);
+  for (int64_t b = 0; b < blocks; ++b) w.span[b] = round_up(last_count(b), ST);
+  for (int64_t t0 = 0; t0 < w.span[blocks - 1]; t0 += tile)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* qr[RB];
+      float* dst[RB];
+      const int64_t nr = block_rows(b, static_cast<const float*>(w.qf.data()), d, qr);
+      block_rows(b, sb, width, dst);
+      for (int64_t t = t0; t < std::min(t0 + tile, w.span[b]); t += ST) {
+        float* dt[RB];
+        for (int64_t j = 0; j < RB; ++j) dt[j] = dst[j] + t;
+        scores_block<RB, ST / 8>(qr, ktp + t * d, d, dt, nr);
+      }
+    }
+  for (int64_t row = 0; row < rows; ++row)  // zeros from each row's last visible token to its block's span
+    w.inv[row] = softmax_row(sb + row * width, w.count[row], w.span[row / RB]);
+  std::fill(ob, ob + rows * d, 0.f);
+  for (int64_t t0 = 0; t0 < last_count(blocks - 1); t0 += tile)
+    for (int64_t b = 0; b < blocks; ++b) {  // a block's P.V runs to its last row's count (the others' p are 0)
+      const int64_t t1 = std::min(t0 + tile, last_count(b));
+      if (t0 >= t1) continue;
+      const float* p[RB];
+      float* o[RB];
+      block_rows(b, static_cast<const float*>(sb), width, p);
+      block_rows(b, ob, d, o);
+      for (int64_t c0 = 0; c0 < d; c0 += 16) {
+        float* oc[RB];
+        for (int64_t j = 0; j < RB; ++j) oc[j] = o[j] + c0;
+        if (d - c0 >= 16) pv_tile<RB, 2>(p, vp + c0, d, t0, t1, oc);
+        else pv_tile<RB, 1>(p, vp + c0, d, t0, t1, oc);
+      }
+    }
+}
 
 template <typename T>
 void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, const int64_t* kv_indptr,
                   const int64_t* qo_indptr, T* out, int64_t reqs, int64_t heads, int64_t kv_heads, int64_t d,
                   float scale) {
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * d, vecs = d / 8;
-  std::vector<int64_t> off(reqs * kv_heads + 1, 0);  // float offsets of each (request, head)'s packed K and V
-  for (int64_t r = 0; r < reqs; ++r)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t len = kv_indptr[r + 1] - kv_indptr[r], i = r * kv_heads + h;
-      off[i + 1] = off[i] + (len + 15) / 16 * 16 * d;
-    }
-  std::vector<float> kt(off.back()), vf(off.back());
-  at::parallel_for(0, reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(d);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads, len = kv_indptr[r + 1] - kv_indptr[r];
-      const int64_t* slots = kv_idx + kv_indptr[r];
-      float* ktr = kt.data() + off[i];
-      float* vr = vf.data() + off[i];
-      std::fill(ktr, ktr + (len + 15) / 16 * 16 * d, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        widen_row(k + slots[t] * row_stride + h * d, row.data(), d);
-        float* dst = ktr + (t / 8) * 8 * d + (t % 8);
-        for (int64_t c = 0; c < d; ++c) dst[c * 8] = row[c];
-        widen_row(v + slots[t] * row_stride + h * d, vr + t * d, d);
-      }
-    }
-  });
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d;
   struct Task { int64_t r, h, i0, i1; };
-  std::vector<Task> tasks;
+  std::vector<Task> tasks;  // a request's KV heads and query blocks in order: a thread packs each (r, h) once
   for (int64_t r = 0; r < reqs; ++r)
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t i0 = 0; i0 < qo_indptr[r + 1] - qo_indptr[r]; i0 += kQueryBlockAvx2)
         tasks.push_back({r, h, i0, std::min(i0 + kQueryBlockAvx2, qo_indptr[r + 1] - qo_indptr[r])});
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, sbuf, obuf, inv;
-    std::vector<int64_t> count;
+    // Kept between calls (it grows to the largest request seen): fresh buffers of a few MB cost more in
+    // page faults than the packing itself (6-10 ms of a 30-40 ms layer, 8 x 150 queries after 500-1000).
+    static thread_local PrefillRows w;
+    int64_t packed = -1;  // the (request, KV head) whose K and V w.kv holds
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& tk = tasks[ti];
       const int64_t len = kv_indptr[tk.r + 1] - kv_indptr[tk.r], qlen = qo_indptr[tk.r + 1] - qo_indptr[tk.r];
-      const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group;
-      const int64_t width = (prefix + tk.i1 + 15) / 16 * 16;  // tokens the block's last query sees, padded
-      const float* ktp = kt.data() + off[tk.r * kv_heads + tk.h];
-      const float* vp = vf.data() + off[tk.r * kv_heads + tk.h];
-      qf.resize(rows * d);
-      sbuf.resize(rows * width);
-      obuf.resize(rows * d);
-      inv.resize(rows);
-      count.resize(rows);
+      const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group, padded = round_up(len, kScoreTokens);
+      if (tk.r * kv_heads + tk.h != packed) {
+        grow(w.kv, 2 * padded * d + 16);  // + 16: room to align (align64)
+        pack_prefill_kv(k, v, kv_idx + kv_indptr[tk.r], len, tk.h, row_stride, d, align64(w.kv.data()),
+                        align64(w.kv.data()) + padded * d);
+        packed = tk.r * kv_heads + tk.h;
+      }
+      const int64_t width = round_up(prefix + tk.i1, kScoreTokens);  // tokens the last query sees, padded
+      w.qf.resize(rows * d);
+      grow(w.sbuf, rows * width + 16);
+      grow(w.obuf, rows * d + 16);
+      w.inv.resize(rows);
+      w.count.resize(rows);
       for (int64_t row = 0; row < rows; ++row) {  // row = local query * group + g: rows ordered by visibility
         const int64_t i = tk.i0 + row / group, g = row % group;
         const T* src = q + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
-        for (int64_t c = 0; c < d; ++c) qf[row * d + c] = static_cast<float>(src[c]) * scale;
-        count[row] = prefix + i + 1;
+        for (int64_t c = 0; c < d; ++c) w.qf[row * d + c] = static_cast<float>(src[c]) * scale;
+        w.count[row] = prefix + i + 1;
       }
-      for (int64_t row0 = 0; row0 < rows; row0 += 4) {  // scores: 4 rows x 16 tokens per inner loop
-        const int64_t nr = std::min<int64_t>(4, rows - row0);
-        const float* qr[4];
-        for (int64_t j = 0; j < 4; ++j) qr[j] = qf.data() + (row0 + std::min(j, nr - 1)) * d;
-        const int64_t span = (count[row0 + nr - 1] + 15) / 16 * 16;
-        for (int64_t t0 = 0; t0 < span; t0 += 16) {
-          float* dst[4];
-          for (int64_t j = 0; j < 4; ++j) dst[j] = sbuf.data() + (row0 + std::min(j, nr - 1)) * width + t0;
-          scores_4x16(qr, ktp + t0 * d, d, dst, nr);
-        }
-        for (int64_t j = 0; j < nr; ++j)  // zeros from each row's last visible token to the pair's span
-          inv[row0 + j] = softmax_row(sbuf.data() + (row0 + j) * width, count[row0 + j], span);
-      }
-      int64_t row0 = 0;
-      for (; row0 + 2 <= rows; row0 += 2) {  // a row pair's P.V runs to its longer (second) row's count
-        const float* p[2] = {sbuf.data() + row0 * width, sbuf.data() + (row0 + 1) * width};
-        float* o[2] = {obuf.data() + row0 * d, obuf.data() + (row0 + 1) * d};
-        pv_rows<2>(p, vp, d, count[row0 + 1], vecs, inv.data() + row0, o);
-      }
-      if (row0 < rows) {
-        const float* p[1] = {sbuf.data() + row0 * width};
-        float* o[1] = {obuf.data() + row0 * d};
-        pv_rows<1>(p, vp, d, count[row0], vecs, inv.data() + row0, o);
-      }
+      const float* kt = align64(w.kv.data());
+      prefill_rows(w, rows, width, kt, kt + padded * d, d);
+      const float* o = align64(w.obuf.data());
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t i = tk.i0 + row / group, g = row % group;
         T* dst = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(obuf[row * d + c]);
+        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(o[row * d + c] * w.inv[row]);
       }
     }
   });
