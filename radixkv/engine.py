@@ -165,10 +165,10 @@ class LLM:
         prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
         try:
             logits, ab, model_s = self._forward(batch)
-        except Exception:
+            finished = self._postprocess(batch, logits)
+        except Exception:  # in the model, the cache insertion or sampling
             self._withdraw({s.rid for s, _ in batch})  # the engine goes on without the failed batch
             raise
-        finished = self._postprocess(batch, logits)
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s

@@ -298,6 +298,33 @@ def test_step_records_count_a_one_token_prefill_as_prefill():
     assert sum(r.decodes for r in llm.step_log) == llm.stats()["decode_tokens"]
 
 
+def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
+    """An error after the forward (here in sampling, say NaN logits) is handled like one inside it."""
+    import radixkv.engine as eng
+
+    llm = engine(kv=512)
+    real = eng.sample
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated sampling failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "sample", flaky)
+    for p in PROMPTS[:2]:  # driven step by step, where no generate() cleans up after the step
+        llm.add_request(p, GREEDY)
+    with pytest.raises(RuntimeError, match="simulated"):
+        while llm.has_unfinished():
+            llm.step()
+    assert not llm.has_unfinished()
+    llm.check_idle()
+    assert llm.cache.protected_size == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in engine().generate(
+        PROMPTS[:2], GREEDY)]
+
+
 def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
     """An error inside the model (say, out of memory) raises; the failed requests free what they held."""
     llm = engine(kv=512)
