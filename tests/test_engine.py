@@ -298,21 +298,25 @@ def test_step_records_count_a_one_token_prefill_as_prefill():
     assert sum(r.decodes for r in llm.step_log) == llm.stats()["decode_tokens"]
 
 
-def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
-    """An error after the forward (here in sampling, say NaN logits) is handled like one inside it."""
-    import radixkv.engine as eng
-
-    llm = engine(kv=512)
-    real = eng.sample
+def fails_on_third_call(real, message: str):
+    """``real``, except that its third call raises ``RuntimeError(message)``."""
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("simulated sampling failure")
+            raise RuntimeError(message)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(eng, "sample", flaky)
+    return flaky
+
+
+def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
+    """An error after the forward (here in sampling, say NaN logits) is handled like one inside it."""
+    import radixkv.engine as eng
+
+    llm = engine(kv=512)
+    monkeypatch.setattr(eng, "sample", fails_on_third_call(eng.sample, "simulated sampling failure"))
     for p in PROMPTS[:2]:  # driven step by step, where no generate() cleans up after the step
         llm.add_request(p, GREEDY)
     with pytest.raises(RuntimeError, match="simulated"):
@@ -328,16 +332,7 @@ def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
 def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
     """An error inside the model (say, out of memory) raises; the failed requests free what they held."""
     llm = engine(kv=512)
-    real = llm.model.forward
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated out of memory")
-        return real(*args, **kwargs)
-
-    llm.model.forward = flaky
+    llm.model.forward = fails_on_third_call(llm.model.forward, "simulated out of memory")
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(PROMPTS[:2], GREEDY)
     assert not llm.has_unfinished()
