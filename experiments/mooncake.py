@@ -29,6 +29,7 @@ ARMS = {  # name -> simulate() arguments
     "hash block 16": dict(cache="hash", block_size=16),
     "hash block 512": dict(cache="hash", block_size=512),
 }
+REFERENCE_ARM = "radix page 1"  # the cache the Belady reference runs: at unlimited capacity, this arm's replay
 
 
 def plot(rows: list[dict], bound: float):
@@ -67,22 +68,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     requests = mooncake(args.trace, limit=args.limit)
     bound = trace_upper_bound(read_trace(args.trace, args.limit))
     caps = [None if float(c) == 0 else int(float(c)) for c in args.capacities.split(",")]
+    arms = args.arms.split(",")
     belady = {}
-    if not args.no_belady:  # the clairvoyant reference at each finite capacity (radix, page 1)
-        for cap in tqdm(caps, desc="belady", leave=False):  # unlimited: nothing is evicted, a plain replay
-            belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running,
+    if not args.no_belady:  # the clairvoyant reference at each capacity (radix, page 1, the arms' seed)
+        # unlimited: nothing is evicted, so the reference is a plain replay, the "radix page 1" arm's own if it runs
+        refs = [c for c in caps if c is not None or REFERENCE_ARM not in arms]
+        for cap in tqdm(refs, desc="belady", leave=False):
+            belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed,
                                    eviction_policy="belady" if cap is not None else "lru").hit_rate
     rows = []
-    for arm in tqdm(args.arms.split(","), desc="arms"):
+    for arm in tqdm(arms, desc="arms"):
         for cap in tqdm(caps, desc=arm, leave=False):
             t0 = time.perf_counter()
             res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed, **ARMS[arm])
-            ref, ub = belady.get(cap), bound["hit_rate"]
+            if cap is None and arm == REFERENCE_ARM and not args.no_belady:
+                belady[None] = res.hit_rate
+            ub = bound["hit_rate"]
             rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": ub,
                          "pct_of_upper_bound": 100 * res.hit_rate / ub if ub else None,
-                         "belady_hit_rate": ref, "pct_of_belady": 100 * res.hit_rate / ref if ref else None,
                          "replay_seconds": time.perf_counter() - t0, "trace": args.trace, "limit": args.limit,
                          "env": environment(), "args": vars(args)})
+    for r in rows:  # after the arms: the unlimited reference may be one of them
+        ref = belady.get(r["capacity_tokens"])
+        r.update(belady_hit_rate=ref, pct_of_belady=100 * r["hit_rate"] / ref if ref else None)
     print(f"trace: {len(requests)} requests, {bound['prompt_tokens']:,} prompt tokens, "
           f"upper bound {bound['hit_rate']:.1%} (paper: about 40%)")
     print(table(rows, ["arm", "capacity_tokens", "hit_rate", "pct_of_upper_bound", "belady_hit_rate",

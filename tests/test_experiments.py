@@ -114,3 +114,26 @@ def test_mooncake_with_nothing_to_reuse_does_not_divide_by_zero(tmp_path):
         pytest.skip(f"needs the Mooncake trace at {DEFAULT_TRACE} (../shared, not in a fresh clone)")
     rows = mooncake.main(["--limit", "1", "--capacities", "0", "--arms", "radix page 1", "--out", str(tmp_path / "m")])
     assert rows[0]["upper_bound"] == 0 and rows[0]["pct_of_upper_bound"] is None
+
+
+def test_mooncake_unlimited_reference_is_the_radix_arms_own_replay(tmp_path, monkeypatch):
+    """At unlimited capacity Belady evicts nothing: the radix page 1 arm's replay is the reference, run once."""
+    from experiments import mooncake
+    from experiments.common import DEFAULT_TRACE
+
+    if not DEFAULT_TRACE.exists():
+        pytest.skip(f"needs the Mooncake trace at {DEFAULT_TRACE} (../shared, not in a fresh clone)")
+    calls = []
+    real = mooncake.simulate
+
+    def counted(*args, **kwargs):
+        calls.append((kwargs["capacity_tokens"], kwargs.get("eviction_policy", "lru")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mooncake, "simulate", counted)
+    rows = mooncake.main(["--limit", "60", "--capacities", "2e4,0", "--arms", "hash block 16,radix page 1",
+                          "--out", str(tmp_path / "m")])
+    assert calls.count((None, "lru")) == 2  # the two arms; no separate reference replay
+    radix = {r["capacity_tokens"]: r["hit_rate"] for r in rows if r["arm"] == "radix page 1"}
+    assert all(r["belady_hit_rate"] == radix[None] for r in rows if r["capacity_tokens"] is None)
+    assert all(r["belady_hit_rate"] is not None for r in rows)
