@@ -76,14 +76,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for cap in tqdm(refs, desc="belady", leave=False):
             belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed,
                                    eviction_policy="belady" if cap is not None else "lru").hit_rate
-    rows = []
+    rows, ub = [], bound["hit_rate"]
     for arm in tqdm(arms, desc="arms"):
         for cap in tqdm(caps, desc=arm, leave=False):
             t0 = time.perf_counter()
             res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed, **ARMS[arm])
             if cap is None and arm == REFERENCE_ARM and not args.no_belady:
                 belady[None] = res.hit_rate
-            ub = bound["hit_rate"]
             rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": ub,
                          "pct_of_upper_bound": 100 * res.hit_rate / ub if ub else None,
                          "replay_seconds": time.perf_counter() - t0, "trace": args.trace, "limit": args.limit,

@@ -382,10 +382,8 @@ class LLM:
         return finished
 
     def _done(self, s: _Seq, tok: int) -> bool:
-        mc = self.model.config
-        eos = mc.eos_token_ids or ((mc.eos_token_id,) if mc.eos_token_id is not None else ())
         return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids
-                or (not s.params.ignore_eos and tok in eos))
+                or (not s.params.ignore_eos and tok in self.model.config.eos_token_ids))
 
     def _cache_progress(self, s: _Seq) -> None:
         """Insert the request's computed prompt tokens; free duplicates; adopt the cache's slots and move the lock."""

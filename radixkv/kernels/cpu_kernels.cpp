@@ -743,12 +743,12 @@ struct PrefillRows {
 
 // One task's attention: rows (query i0 + row / group, head h * group + row % group) of a request, ordered
 // by how many tokens they see (w.count[row]), against ktp / vp, its packed K and V for one KV head.
-// Leaves each row's unnormalized output in w.obuf (aligned) and 1 / its softmax sum in w.inv.
-inline void prefill_rows(PrefillRows& w, int64_t rows, int64_t width, const float* ktp, const float* vp, int64_t d) {
+// sb: rows x width scores (w.sbuf's, aligned). Leaves each row's unnormalized output in ob (rows x d)
+// and 1 / its softmax sum in w.inv.
+inline void prefill_rows(PrefillRows& w, int64_t rows, int64_t width, const float* ktp, const float* vp, int64_t d,
+                         float* sb, float* ob) {
   constexpr int64_t RB = kRowBlockAvx2, ST = kScoreTokens;
   const int64_t blocks = (rows + RB - 1) / RB, tile = prefill_tile(d);
-  float* sb = align64(w.sbuf.data());
-  float* ob = align64(w.obuf.data());
   auto block_rows = [&](int64_t b, auto* base, int64_t stride, auto* ptrs) {  // clamped: a short block repeats its last row
     for (int64_t j = 0; j < RB; ++j) ptrs[j] = base + std::min(b * RB + j, rows - 1) * stride;
     return std::min(RB, rows - b * RB);
@@ -808,16 +808,17 @@ void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, con
       const Task& tk = tasks[ti];
       const int64_t len = kv_indptr[tk.r + 1] - kv_indptr[tk.r], qlen = qo_indptr[tk.r + 1] - qo_indptr[tk.r];
       const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group, padded = round_up(len, kScoreTokens);
+      grow(w.kv, 2 * padded * d + 16);  // + 16: room to align (align64); it only grows for a new (r, h)
+      float* kt = align64(w.kv.data());  // this (request, KV head)'s K, then its V
       if (tk.r * kv_heads + tk.h != packed) {
-        grow(w.kv, 2 * padded * d + 16);  // + 16: room to align (align64)
-        pack_prefill_kv(k, v, kv_idx + kv_indptr[tk.r], len, tk.h, row_stride, d, align64(w.kv.data()),
-                        align64(w.kv.data()) + padded * d);
+        pack_prefill_kv(k, v, kv_idx + kv_indptr[tk.r], len, tk.h, row_stride, d, kt, kt + padded * d);
         packed = tk.r * kv_heads + tk.h;
       }
       const int64_t width = round_up(prefix + tk.i1, kScoreTokens);  // tokens the last query sees, padded
       w.qf.resize(rows * d);
       grow(w.sbuf, rows * width + 16);
       grow(w.obuf, rows * d + 16);
+      float* ob = align64(w.obuf.data());
       w.inv.resize(rows);
       w.count.resize(rows);
       for (int64_t row = 0; row < rows; ++row) {  // row = local query * group + g: rows ordered by visibility
@@ -826,13 +827,11 @@ void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, con
         for (int64_t c = 0; c < d; ++c) w.qf[row * d + c] = static_cast<float>(src[c]) * scale;
         w.count[row] = prefix + i + 1;
       }
-      const float* kt = align64(w.kv.data());
-      prefill_rows(w, rows, width, kt, kt + padded * d, d);
-      const float* o = align64(w.obuf.data());
+      prefill_rows(w, rows, width, kt, kt + padded * d, d, align64(w.sbuf.data()), ob);
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t i = tk.i0 + row / group, g = row % group;
         T* dst = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(o[row * d + c] * w.inv[row]);
+        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(ob[row * d + c] * w.inv[row]);
       }
     }
   });

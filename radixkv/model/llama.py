@@ -52,6 +52,10 @@ class LlamaConfig:
     eos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id (Llama 3 has several); eos_token_id is the first
 
+    def __post_init__(self) -> None:
+        if not self.eos_token_ids and self.eos_token_id is not None:  # built with a single id
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id,))
+
     @classmethod
     def from_hf(cls, hf: Any) -> LlamaConfig:
         """From a ``transformers`` Llama/Qwen2 config (transformers 4.x or 5.x field names)."""
