@@ -12,17 +12,25 @@
    workload), for our model on the engine's attention backend and for
    ``transformers`` (``--no-transformers`` skips it);
 
+3. this machine's memory read bandwidth and GEMM rate, measured in the same
+   run, and the floors they put under the micro-figures and the end-to-end
+   time (``machine_rates``, ``floors``): the machine class comes with
+   different CPUs and memory phases, and a target can be out of reach on one;
+
 and prints each target of the engine issue with the measured value beside
 the peers' (vLLM 0.32 on the CPU, measured on this machine class; see
-/work/shared/BACKGROUND.md). Writes ``results/bench_engine.json``.
+/work/shared/BACKGROUND.md) and this machine's floor. Writes
+``results/bench_engine.json``.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import torch
+from torch import nn
 
 from experiments.bench_model import timed
 from experiments.common import environment, parser, table, with_ext
@@ -32,7 +40,7 @@ from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, make_backend
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
-from radixkv.model.llama import pack_linears
+from radixkv.model.llama import PackedLinear, linear_compute_dtype, pack_linears
 from radixkv.model.ops import ops_for_backend
 from radixkv.model.step import run_step
 
@@ -89,25 +97,93 @@ def transformers_micro(hf, context: int, repeats: int, rng) -> dict:
     return out
 
 
-def targets(summary: dict[str, dict], ours: dict) -> list[dict]:
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine_rates(model: nn.Module, repeats: int = 5, rows: int = 1024) -> dict:
+    """This machine now, for ``floors``: the best of ``repeats`` runs each, since a floor takes the best rate.
+
+    ``read_gb_s``: memory read bandwidth, a 512 MB float32 sum (every byte
+    read once). ``gemm_gflop_s``: the best of PyTorch's matmul and (where the
+    build has it) oneDNN's packed linear, in the dtype ``pack_linears``
+    multiplies ``model``'s weights in, at its largest prefill shape (``rows``
+    tokens through ``[hidden] -> [2 x intermediate]``).
+    """
+    def best(fn) -> float:
+        fn()
+        return min(_seconds(fn) for _ in range(repeats))
+
+    x = torch.ones(128 << 20)
+    read = x.numel() * x.element_size() / best(x.sum)
+    del x
+    cfg = model.config
+    dtype = linear_compute_dtype(model) or next(model.parameters()).dtype
+    a = torch.randn(rows, cfg.hidden_size).to(dtype)
+    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dtype)
+    seconds = best(lambda: torch.nn.functional.linear(a, w))
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        seconds = min(seconds, best(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")))
+    return {"read_gb_s": read / 1e9, "gemm_gflop_s": 2 * a.numel() * w.shape[0] / seconds / 1e9,
+            "gemm_dtype": str(dtype).removeprefix("torch.")}
+
+
+def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | None = None,
+           decode_steps: int = 0) -> dict:
+    """Lower bounds on the micro-figures (same keys, milliseconds) from ``machine_rates``.
+
+    A prefill token costs at least its linear layers' FLOPs at the GEMM rate
+    (attention and the LM head left out); a decode step with ``context``
+    tokens per request at least one read of every linear weight (LM head
+    included) and of its K/V at the read bandwidth (compute left out).
+    ``end_to_end_s`` (given ``prefill_tokens``) adds ``decode_steps`` batch-8
+    steps to those prefill tokens: the main job's decode contexts average
+    about ``context``.
+    """
+    cfg = model.config
+    size = next(model.parameters()).element_size()  # bytes per weight and per K/V value
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    params = sum(m.in_features * m.out_features for m in linears)
+    head = cfg.hidden_size * cfg.vocab_size
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
+    bandwidth = rates["read_gb_s"] * 1e9
+
+    def decode_ms(kv_tokens: int) -> float:
+        return 1e3 * (params * size + kv_per_token * kv_tokens) / bandwidth
+
+    out = {"prefill_ms_per_token": 1e3 * 2 * (params - head) / (rates["gemm_gflop_s"] * 1e9),
+           "decode_ms_b1": decode_ms(context), "decode_ms_b8": decode_ms(8 * context),
+           "decode_ms_b8_shared500": decode_ms(min(500, context) + 8 * max(0, context - 500))}
+    if prefill_tokens is not None:
+        out["end_to_end_s"] = (prefill_tokens * out["prefill_ms_per_token"] + decode_steps * out["decode_ms_b8"]) / 1e3
+    return out
+
+
+def targets(summary: dict[str, dict], ours: dict, floor: dict | None = None) -> list[dict]:
+    """Each target: our figure, the bound it must meet, whether it does, and this machine's floor (or None)."""
     radix, hash_, none = summary["radix"], summary["hash"], summary["none"]
+    floor = floor or {}
     cached = [radix[f"cached_per_req_t{t}"] for t in range(1, 5) if f"cached_per_req_t{t}" in radix]
-    rows = [
+    rows = [  # (target, ours, bound, met, the floor's key)
         ("radix end-to-end s <= vLLM-CPU", radix["end_to_end_s"], VLLM["end_to_end_s"],
-         radix["end_to_end_s"] <= VLLM["end_to_end_s"]),
+         radix["end_to_end_s"] <= VLLM["end_to_end_s"], "end_to_end_s"),
         ("radix mean TTFT turns>=2 / none's <= 1/3", radix["ttft_mean_later"] / none["ttft_mean_later"], 1 / 3,
-         radix["ttft_mean_later"] <= none["ttft_mean_later"] / 3),
+         radix["ttft_mean_later"] <= none["ttft_mean_later"] / 3, None),
         ("radix prefill tokens <= hash's", radix["prefill_tokens"], hash_["prefill_tokens"],
-         radix["prefill_tokens"] <= hash_["prefill_tokens"]),
+         radix["prefill_tokens"] <= hash_["prefill_tokens"], None),
         ("radix cached per request > vLLM block-32 (turns 1-4)", cached, VLLM["cached_per_req"],
-         all(c > v for c, v in zip(cached, VLLM["cached_per_req"], strict=False))),
+         all(c > v for c, v in zip(cached, VLLM["cached_per_req"], strict=False)), None),
         ("decode ms at batch 1 <= 1.2x vLLM-CPU", ours["decode_ms_b1"], 1.2 * VLLM["decode_ms_b1"],
-         ours["decode_ms_b1"] <= 1.2 * VLLM["decode_ms_b1"]),
+         ours["decode_ms_b1"] <= 1.2 * VLLM["decode_ms_b1"], "decode_ms_b1"),
         ("decode ms at batch 8 <= 1.2x vLLM-CPU", ours["decode_ms_b8"], 1.2 * VLLM["decode_ms_b8"],
-         ours["decode_ms_b8"] <= 1.2 * VLLM["decode_ms_b8"]),
-        ("engine overhead share of step time < 10%", radix["overhead_share"], 0.10, radix["overhead_share"] < 0.10),
+         ours["decode_ms_b8"] <= 1.2 * VLLM["decode_ms_b8"], "decode_ms_b8"),
+        ("engine overhead share of step time < 10%", radix["overhead_share"], 0.10, radix["overhead_share"] < 0.10,
+         None),
     ]
-    return [{"target": t, "ours": o, "bound": b, "met": bool(m)} for t, o, b, m in rows]
+    return [{"target": t, "ours": o, "bound": b, "met": bool(m), "floor": floor.get(f)} for t, o, b, m, f in rows]
 
 
 def fmt(x) -> str:
@@ -137,19 +213,27 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), keep_hf=not args.no_transformers)
     rng = np.random.default_rng(args.seed)
     hf = loaded.hf_model  # before ours_micro packs our copy of the weights
+    rates = machine_rates(loaded.model, args.repeats)
+    floor = floors(loaded.model, rates, args.context, summary["radix"]["prefill_tokens"],
+                   mt.turns * (mt.max_new_tokens - 1))
     micro = {"ours": ours_micro(loaded.model, args.context, args.repeats, rng)}
     if hf is not None:
         micro["transformers"] = transformers_micro(hf.to(getattr(torch, args.dtype)), args.context, args.repeats, rng)
     micro["vllm_cpu_peer"] = {k: VLLM[k] for k in ("decode_ms_b1", "decode_ms_b8")} | {
         "prefill_ms_per_token": VLLM["prefill_ms_per_token_1024"]}
+    micro["floor_here"] = {k: v for k, v in floor.items() if k != "end_to_end_s"}
     print(table([{"engine": k, **v} for k, v in micro.items()],
                 ["engine", "prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500"],
                 {c: ".3g" for c in ("prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500")}))
-    checks = targets(summary, micro["ours"])
+    print(f"this machine now: memory reads {rates['read_gb_s']:.1f} GB/s, {rates['gemm_dtype']} GEMM "
+          f"{rates['gemm_gflop_s']:.0f} GFLOP/s (floor_here: the micro-figures' lower bounds at these rates)")
+    checks = targets(summary, micro["ours"], floor)
     for c in checks:
-        print(f"[{'met' if c['met'] else 'MISSED':6s}] {c['target']}: ours {fmt(c['ours'])}, bound {fmt(c['bound'])}")
-    result = {"config": vars(args), "env": environment(), "multiturn": summary, "micro": micro, "targets": checks,
-              "peers": {"vllm_cpu": VLLM, "transformers": TRANSFORMERS_PEER}}
+        here = "" if c["floor"] is None else f", floor here {fmt(c['floor'])}"
+        print(f"[{'met' if c['met'] else 'MISSED':6s}] {c['target']}: ours {fmt(c['ours'])}, bound {fmt(c['bound'])}"
+              f"{here}")
+    result = {"config": vars(args), "env": environment(), "machine": rates, "floors": floor, "multiturn": summary,
+              "micro": micro, "targets": checks, "peers": {"vllm_cpu": VLLM, "transformers": TRANSFORMERS_PEER}}
     out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))

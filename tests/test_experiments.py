@@ -137,3 +137,40 @@ def test_mooncake_unlimited_reference_is_the_radix_arms_own_replay(tmp_path, mon
     radix = {r["capacity_tokens"]: r["hit_rate"] for r in rows if r["arm"] == "radix page 1"}
     assert all(r["belady_hit_rate"] == radix[None] for r in rows if r["capacity_tokens"] is None)
     assert all(r["belady_hit_rate"] is not None for r in rows)
+
+
+def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
+    import torch
+
+    from experiments.bench_engine import floors, machine_rates
+    from radixkv.model import load_model
+
+    model = load_model("tiny-random", dtype=torch.float32).model
+    cfg = model.config
+    params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    rates = {"read_gb_s": 1.0, "gemm_gflop_s": 1.0}  # 1 byte and 1 FLOP per nanosecond: floors in plain counts
+    got = floors(model, rates, context=600, prefill_tokens=100, decode_steps=3)
+    assert got["prefill_ms_per_token"] == pytest.approx(2 * (params - cfg.hidden_size * cfg.vocab_size) / 1e6)
+    assert got["decode_ms_b1"] == pytest.approx((4 * params + 600 * kv_per_token) / 1e6)
+    assert got["decode_ms_b8"] == pytest.approx((4 * params + 8 * 600 * kv_per_token) / 1e6)
+    assert got["decode_ms_b8_shared500"] == pytest.approx((4 * params + (500 + 8 * 100) * kv_per_token) / 1e6)
+    assert got["end_to_end_s"] == pytest.approx((100 * got["prefill_ms_per_token"] + 3 * got["decode_ms_b8"]) / 1e3)
+    short = floors(model, rates, context=100)  # shorter than the shared prefix: all of it is shared
+    assert short["decode_ms_b8_shared500"] == pytest.approx(short["decode_ms_b1"]) and "end_to_end_s" not in short
+    measured = machine_rates(model, repeats=1, rows=16)
+    assert measured["read_gb_s"] > 0 and measured["gemm_gflop_s"] > 0 and measured["gemm_dtype"] == "float32"
+
+
+def test_bench_engine_targets_carry_this_machines_floor_where_one_applies():
+    from experiments.bench_engine import targets
+
+    cache = {"end_to_end_s": 10.0, "ttft_mean_later": 1.0, "prefill_tokens": 100, "overhead_share": 0.02,
+             **{f"cached_per_req_t{t}": 1100 for t in range(1, 5)}}
+    summary = {"radix": cache, "hash": cache, "none": {**cache, "ttft_mean_later": 4.0}}
+    ours = {"decode_ms_b1": 20.0, "decode_ms_b8": 30.0}
+    floor = {"end_to_end_s": 8.0, "decode_ms_b1": 12.0, "decode_ms_b8": 19.0, "prefill_ms_per_token": 1.5}
+    rows = targets(summary, ours, floor)
+    assert [r["floor"] for r in rows] == [8.0, None, None, None, 12.0, 19.0, None]
+    assert [r["met"] for r in rows] == [False, True, True, True, False, True, True]
+    assert all(r["floor"] is None for r in targets(summary, ours))
