@@ -163,11 +163,14 @@ class LLM:
         if not batch:
             return unclaimed
         prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
+        finished: list[RequestOutput] = []
         try:
             logits, ab, model_s = self._forward(batch)
-            finished = self._postprocess(batch, logits)
-        except Exception:  # in the model, the cache insertion or sampling
-            self._withdraw({s.rid for s, _ in batch})  # the engine goes on without the failed batch
+            self._postprocess(batch, logits, finished)
+        except Exception:  # in the model, the cache insertion, sampling or detokenizing
+            # the engine goes on without the failed batch; outputs already finished wait for the next step()
+            self._unclaimed = unclaimed + finished + self._unclaimed
+            self._withdraw({s.rid for s, _ in batch})
             raise
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
@@ -204,6 +207,7 @@ class LLM:
                         self._unclaimed.append(out)
         except BaseException:  # a failed step (or Ctrl-C): withdraw this call's requests, keep the others
             self._withdraw(mine)
+            self._unclaimed = [o for o in self._unclaimed if o.request_id not in mine]
             raise
         self.check_idle()
         return [done[r] for r in rids]
@@ -358,8 +362,10 @@ class LLM:
         logits = self.model(x.ids, x.positions, x.out_slots, self.pool, self.backend, qo_indptr=x.qo_indptr)
         return logits, ab, time.perf_counter() - t0
 
-    def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor) -> list[RequestOutput]:
-        finished, sampling = [], []
+    def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
+                     finished: list[RequestOutput]) -> None:
+        """Advance each request past its new tokens, sample where a prompt is done, append finished outputs."""
+        sampling = []
         for s, n in batch:
             prefilling = s.computed < len(s.prompt)
             s.computed += n
@@ -369,7 +375,7 @@ class LLM:
             if s.computed >= len(s.prompt):
                 sampling.append(s)
         if not sampling:
-            return finished
+            return
         rows = torch.stack([logits[i] for i, (s, _) in enumerate(batch) if s in sampling])
         specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
         tokens = sample(rows, specs, [s.generator for s in sampling]).tolist()
@@ -379,7 +385,6 @@ class LLM:
             s.token_times.append(now - s.arrival)
             if self._done(s, tok):
                 finished.append(self._finish(s))
-        return finished
 
     def _done(self, s: _Seq, tok: int) -> bool:
         return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids

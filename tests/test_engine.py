@@ -329,6 +329,38 @@ def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
         PROMPTS[:2], GREEDY)]
 
 
+def test_outputs_finished_before_a_step_fails_wait_for_the_next_step(reference):
+    """Three requests finish in one step and the second one's detokenizing fails: the first one's output is
+    returned by the next ``step()``, the other two are dropped, nothing leaks."""
+
+    class Detokenizer:  # as no tokenizer (text ""), except that the second call fails
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Detokenizer.calls += 1
+            if Detokenizer.calls == 2:
+                raise RuntimeError("simulated detokenizer failure")
+            return ""
+
+    llm = engine(kv=512)
+    llm.tokenizer = Detokenizer()
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]  # prefilled together, so they finish together
+    with pytest.raises(RuntimeError, match="simulated"):
+        while llm.has_unfinished():
+            assert llm.step() == []
+    assert llm.has_unfinished()
+    kept = llm.step()
+    assert [o.request_id for o in kept] == rids[:1] and kept[0].token_ids == reference[0]
+    assert not llm.has_unfinished()
+    llm.check_idle()
+    assert llm.cache.protected_size == 0
+    Detokenizer.calls = 0  # the same failure inside generate(): it raises, and its finished output goes with it
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(PROMPTS[:3], GREEDY)
+    assert not llm.has_unfinished() and llm.step() == []
+    llm.check_idle()
+
+
 def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
     """An error inside the model (say, out of memory) raises; the failed requests free what they held."""
     llm = engine(kv=512)
