@@ -267,6 +267,22 @@ def test_regression_running_prefill_is_not_starved_by_decodes():
     assert long_.ttft < short.latency  # before, it waited for the decoding request to finish
 
 
+@pytest.mark.parametrize("cache,page,cached", [("radix", 1, 31), ("radix", 16, 16), ("hash", 16, 16)])
+def test_regression_prompt_cached_to_an_exact_page_multiple_still_computes_a_token(cache, page, cached):
+    """A 32-token prompt served twice: the second time it is cached whole, to a page multiple, yet at least one
+    token is computed for the logits (a whole page with pages of 16), the duplicate KV of what it recomputes is
+    freed, and the output is the same."""
+    prompt = list(range(100, 132))
+    llm = engine(cache, page)
+    first = llm.generate([prompt], GREEDY)[0]
+    computed = llm.stats()["prefill_tokens"]
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == cached
+    assert llm.stats()["prefill_tokens"] - computed == len(prompt) - cached
+    assert second.token_ids == first.token_ids == engine("none").generate([prompt], GREEDY)[0].token_ids
+    llm.check_idle()
+
+
 @pytest.mark.parametrize("cache", ["radix", "hash"])
 def test_in_batch_sharing_below_one_page_holds_nothing_back(cache):
     """Prompts sharing 50 tokens on 64-token pages cannot hit each other: none is held back for it."""
