@@ -267,6 +267,18 @@ def test_regression_running_prefill_is_not_starved_by_decodes():
     assert long_.ttft < short.latency  # before, it waited for the decoding request to finish
 
 
+@pytest.mark.parametrize("cache,page", [("radix", 1), ("radix", 4), ("hash", 4)])
+def test_regression_duplicate_kv_is_never_read_after_it_is_freed(reference, cache, page):
+    """Two copies of one prompt prefill side by side in chunks of 7 (no in-batch sharing, so both compute
+    every chunk): each finished chunk of the second is a duplicate, freed at insertion while that request
+    runs on; a third request then reuses the freed slots in a tight pool. Reading a freed duplicate would
+    change the second copy's output."""
+    llm = engine(cache, page, chunk=7, kv=200, in_batch_sharing=0)
+    outs = llm.generate([PROMPTS[2], PROMPTS[2], PROMPTS[1]], GREEDY)
+    assert [o.token_ids for o in outs] == [reference[2], reference[2], reference[1]]
+    llm.check_idle()
+
+
 @pytest.mark.parametrize("cache,page,cached", [("radix", 1, 31), ("radix", 16, 16), ("hash", 16, 16)])
 def test_regression_prompt_cached_to_an_exact_page_multiple_still_computes_a_token(cache, page, cached):
     """A 32-token prompt served twice: the second time it is cached whole, to a page multiple, yet at least one
