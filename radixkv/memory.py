@@ -40,7 +40,9 @@ class SlotAllocator:
     ``alloc(n)`` takes ``ceil(n / page_size)`` free pages and returns the
     first ``n`` of their slots; the rest of the last page is held until every
     returned slot of that page is freed. ``num_free`` counts slots in free
-    pages. Costs: ``alloc`` O(pages taken), ``free`` O(len(indices)) numpy work.
+    pages. Costs: ``alloc`` O(pages taken), ``free`` O(len(indices)) numpy work
+    (O(len(indices) log len(indices)) where the pages freed are far apart, and
+    the first free of several slots allocates one capacity-sized scratch array).
 
     >>> a = SlotAllocator(8, page_size=4)
     >>> a.alloc(5).tolist()

@@ -242,6 +242,16 @@ def test_at_least_one_token_rule(make):
     assert match_for_prefill(cache, []).length == 0
 
 
+@pytest.mark.parametrize("make", [RadixCache, lambda: HashBlockCache(block_size=4), NoPrefixCache])
+def test_every_cache_rejects_the_same_bad_inputs(make):
+    """A 2-D or non-integer query is a ValueError for all three caches (NoPrefixCache used to count rows)."""
+    cache = make()
+    for bad in (np.zeros((2, 3), dtype=np.int64), [1.5, 2.5]):
+        with pytest.raises(ValueError):
+            cache.match_prefix(bad)
+    assert cache.stats()["queried_tokens"] == 0
+
+
 def test_handles_from_before_reset_cannot_be_locked_or_unlocked(cache):
     cache.insert(range(8), range(8))
     m = cache.match_prefix(range(8))

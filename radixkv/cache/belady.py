@@ -69,7 +69,8 @@ class BeladyRadixCache(RadixCache):
     """``RadixCache`` whose eviction order is Belady's: farthest next use first.
 
     A leaf's priority is computed from ``future`` when it becomes a candidate
-    and again whenever a match touches it; O(depth) per computation.
+    and again whenever a match touches it; O(depth) Python steps plus copying
+    the leaf's whole prefix (O(prefix tokens)) per computation.
     """
 
     def __init__(self, future: FutureUses, page_size: int = 1):

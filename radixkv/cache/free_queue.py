@@ -63,8 +63,8 @@ class PriorityFreeQueue:
     """Entries ordered by ``priority(entry)`` (smallest first), ties by push order.
 
     A lazy heap: re-prioritizing pushes a new entry and stale ones are skipped
-    when they surface; the heap is compacted when stale entries outnumber live
-    ones. Push, pop and remove cost O(log n) amortized. Entries need a writable
+    when they surface; the heap is rebuilt from the live entries when it holds
+    more than 2 x live + 64. Push, pop and remove cost O(log n) amortized. Entries need a writable
     ``stamp`` attribute.
     """
 

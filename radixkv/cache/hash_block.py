@@ -122,8 +122,11 @@ class HashBlockCache:
             (a priority queue over the same statistics the radix tree keeps).
 
     Costs (b = full blocks in the query): ``match_prefix`` hashes blocks until
-    the first miss, O(b); ``insert`` O(b); ``lock``/``unlock`` O(blocks in the
-    handle); ``evict`` O(k) for k blocks with ``lru``, O(k log n) otherwise.
+    the first miss, O(b); ``insert`` O(b); both also try the memo of recent
+    chains first (O(``MEMO_CHAINS`` x n) memcmp). ``lock``/``unlock`` O(blocks
+    in the handle), ``unlock`` O(blocks x log n) under a policy other than
+    ``lru`` (a heap push each); ``evict`` O(k) for k blocks with ``lru``,
+    O(k log n) otherwise.
 
     >>> cache = HashBlockCache(block_size=4)
     >>> cache.insert(list(range(10)), list(range(100, 110)))   # 2 full blocks

@@ -62,7 +62,9 @@ def serve_once(
     What is inserted is the prompt plus all but the last output token (the
     last one's KV is never computed). Raises ``OutOfSlotsError`` when the
     request cannot fit even after evicting everything evictable; the cache
-    and allocator are left as they were apart from that eviction.
+    and allocator are left as they were apart from that eviction and the
+    match's access statistics (recency, hit counts, and for hash blocks the
+    released blocks' place in the free queue).
     """
     prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
     m = match_for_prefill(cache, prompt, namespace)

@@ -31,7 +31,7 @@ class NoPrefixCache:
         self._queried_tokens = 0
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
-        self._queried_tokens += len(tokens)
+        self._queried_tokens += len(as_token_array(tokens))  # checked like the other caches' inputs
         return MatchResult(0, _EMPTY.copy(), self.root)
 
     def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:

@@ -15,8 +15,9 @@ Design notes, because they decide the speed:
 * Evictable leaves sit in a lazy binary heap: a node is pushed whenever it
   becomes an evictable leaf or its priority changes while it is one, and stale
   entries (superseded, locked, no longer a leaf, evicted) are dropped when they
-  surface. The heap is compacted when stale entries outnumber live nodes, so
-  its size stays O(nodes) and each push or pop costs O(log n) amortized.
+  surface. The heap is rebuilt from the live entries when it holds more than
+  2 x nodes + 64 of them, so its size stays O(nodes) and each push or pop
+  costs O(log n) amortized.
 * The tree never frees memory; ``evict`` returns slot indices to the caller.
 """
 
@@ -88,8 +89,10 @@ class RadixCache:
 
     Costs (n = tokens in the query, d = depth of the matched path, N = nodes
     in the tree): ``match_prefix`` and ``insert`` are O(n) memcmp work plus
-    O(d) Python steps, never a Python loop over tokens; ``lock``/``unlock``
-    are O(d); ``evict`` is O(k log N) for k removed leaves.
+    O(d) Python steps, never a Python loop over tokens, plus O(L) copying
+    where they split an edge of L tokens (the lower part gets its own key
+    and values); ``lock``/``unlock`` are O(d); ``evict`` is O(k log N) for k
+    removed leaves.
 
     >>> cache = RadixCache()
     >>> cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
@@ -114,7 +117,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        """Drop everything: an empty tree, clock and statistics at zero. O(1)."""
+        """Drop everything: an empty tree, clock and statistics at zero. O(N): CPython frees the old nodes now."""
         self._clock = 0
         self._seq = 0
         self.root = RadixNode(b"", _EMPTY, None, 0)
@@ -231,7 +234,8 @@ class RadixCache:
 
         When the match ends inside an edge, that edge is split so that the
         returned node ends exactly at ``length``. Refreshes recency and hit
-        counts along the matched path. O(n) memcmp work + O(d) Python steps.
+        counts along the matched path. O(n) memcmp work + O(d) Python steps
+        (+ O(L) for a split edge of L tokens).
         """
         arr, query = self._key_of(tokens)
         self._queried_tokens += len(arr)
@@ -270,7 +274,8 @@ class RadixCache:
         Returns how many leading tokens were already cached. Existing values
         are never overwritten: the caller owns ``indices[k:returned]`` (k = what
         it had matched itself) as duplicates and must free them. The tree
-        copies what it keeps. O(n) memcmp work + O(d) Python steps.
+        copies what it keeps. O(n) memcmp work + O(d) Python steps (+ O(L) for
+        a split edge of L tokens).
         """
         arr, query = self._key_of(tokens)
         idx = as_token_array(indices)
