@@ -128,6 +128,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        for name in ("max_new_tokens", "top_k", "seed"):  # numpy integers pass the checks; torch wants int
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
 
 def _is_int(x: object) -> bool:

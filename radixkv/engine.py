@@ -119,7 +119,7 @@ class LLM:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     namespace: Hashable = None) -> int:
         """Queue one request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
-        params = params or SamplingParams()
+        params = _sampling_params(params)
         try:
             hash(namespace)  # the cache keys its trees by it: an unhashable one would fail every later step
         except TypeError:
@@ -190,15 +190,21 @@ class LLM:
         """
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if not isinstance(prompts, Sequence) and not hasattr(prompts, "ndim"):
+            raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
+        one = sampling_params is None or isinstance(sampling_params, SamplingParams)
+        params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        params = [sp or SamplingParams() for sp in params]
+        params = [_sampling_params(sp) for sp in params]
         checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        rids = [self._queue(ids, sp, None) for ids, sp in zip(checked, params, strict=True)]
+        rids: list[int] = []
+        mine: set[int] = set()
         done: dict[int, RequestOutput] = {}
-        mine = set(rids)
         try:
+            for ids, sp in zip(checked, params, strict=True):
+                rids.append(self._queue(ids, sp, None))
+                mine.add(rids[-1])
             while len(done) < len(rids):
                 for out in self.step():
                     if out.request_id in mine:
@@ -409,11 +415,30 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # numpy arrays and tensors too
+        try:
+            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # numpy arrays and tensors too
+        except TypeError:
+            raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") from None
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
         if bad:
             raise ValueError(f"token ids must be integers, got {bad[:5]}")
         return [int(t) for t in ids]
+
+
+def _sampling_params(params: object) -> SamplingParams:
+    """``params``, or the defaults for None; anything else is a ``ValueError``."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams or None, got {type(params).__name__}")
+    return params
+
+
+def _as_list(params: object) -> list:
+    if isinstance(params, str | bytes | dict) or not isinstance(params, Sequence):
+        raise ValueError("sampling_params must be SamplingParams, None, or a list of them, one per prompt; "
+                         f"got {type(params).__name__}")
+    return list(params)
 
 
 def _is_token_list(prompts) -> bool:

@@ -160,6 +160,40 @@ def test_bad_input_is_rejected_and_the_engine_goes_on():
     llm.check_idle()
 
 
+def test_sampling_values_at_float32_extremes_act_greedy_and_keep_the_batch():
+    """A temperature or top_p that underflows in float32 samples the top token; it used to fail the step,
+    dropping a request queued beside it."""
+    llm = engine(kv=512)
+    rid = llm.add_request(PROMPTS[1], GREEDY)
+    greedy = engine(kv=512).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    for extreme in (SamplingParams(max_new_tokens=12, temperature=1e-40, seed=1),
+                    SamplingParams(max_new_tokens=12, temperature=0.5, top_p=1e-46, seed=1)):
+        assert llm.generate([PROMPTS[0]], extreme)[0].token_ids == greedy
+    assert [o.request_id for o in llm.step()] == [rid] and not llm.has_unfinished()
+
+
+def test_numpy_integers_are_accepted_as_sampling_values():
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=np.int64(3), top_k=np.int32(5), temperature=1.0, seed=np.int64(5))
+    assert [type(v) for v in (params.max_new_tokens, params.top_k, params.seed)] == [int, int, int]
+    plain = SamplingParams(max_new_tokens=3, top_k=5, temperature=1.0, seed=5)
+    assert engine(kv=512).generate([PROMPTS[0]], params)[0].token_ids == engine(kv=512).generate(
+        [PROMPTS[0]], plain)[0].token_ids
+
+
+@pytest.mark.parametrize("args", [(None,), ([None],), ([[5, 6]], "a"), ([[5, 6]], {"max_new_tokens": 2}),
+                                  ([[5, 6], [7, 8]], [GREEDY, "x"])])
+def test_prompts_and_params_of_the_wrong_type_raise_value_error(args):
+    llm = engine(kv=512)
+    with pytest.raises(ValueError):
+        llm.generate(*args)
+    with pytest.raises(ValueError):
+        llm.add_request([5, 6], "x")
+    assert not llm.has_unfinished()
+    assert len(llm.generate([[5, 6]], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+
+
 def test_one_bad_prompt_in_a_list_queues_none_of_them():
     """generate() checks every prompt first: a bad one leaves nothing queued to be served and dropped later."""
     llm = engine(kv=256)

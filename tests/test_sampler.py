@@ -27,7 +27,9 @@ def test_seeds_make_sampling_reproducible_per_request():
     assert len(draws) > 1
 
 
-@pytest.mark.parametrize("spec", [SamplingSpec(temperature=1.5, top_k=1), SamplingSpec(temperature=1.5, top_p=1e-6)])
+@pytest.mark.parametrize("spec", [SamplingSpec(temperature=1.5, top_k=1), SamplingSpec(temperature=1.5, top_p=1e-6),
+                                  SamplingSpec(temperature=1.5, top_p=1e-46),  # 0 in float32: the top token stays
+                                  SamplingSpec(temperature=1e-40)])  # logits / T overflow: the shift keeps them finite
 def test_top_k_one_and_tiny_top_p_are_greedy(spec):
     x = logits()
     for seed in range(10):

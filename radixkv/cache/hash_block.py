@@ -4,8 +4,8 @@ The baseline radixkv compares the radix tree against, following vLLM v1's
 ``BlockPool``/``KVCacheManager`` design:
 
 * Block i's key is ``H(key of block i-1, tokens of block i)``; block 0 chains
-  from a seed that encodes the namespace (adapter id, cache salt), so two
-  namespaces never share a block. A key therefore names a whole prefix, and a
+  from a seed that encodes the namespace (adapter id, cache salt) by its
+  ``repr``, so two namespaces with different reprs never share a block. A key therefore names a whole prefix, and a
   flat dict ``key -> block`` acts as a prefix tree without an explicit tree.
 * Only full blocks are cached; a partial last block stays with the request.
 * Blocks carry reference counts. A block whose count is 0 stays cached in a

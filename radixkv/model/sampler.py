@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         if spec.temperature == 0:
             out[i] = row.argmax()
             continue
-        row = row / spec.temperature
+        row = (row - row.max()) / spec.temperature  # shifted first: a tiny temperature gives -inf, never inf - inf
         if 0 < spec.top_k < row.numel():
             kth = torch.topk(row, spec.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -50,6 +50,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
             sorted_logits, order = row.sort(descending=True)
             probs = sorted_logits.softmax(-1)
             drop = probs.cumsum(-1) - probs >= spec.top_p  # tokens after the set reached top_p
+            drop[0] = False  # the most likely token stays, even where top_p rounds to 0 in float32
             row = row.scatter(0, order[drop], float("-inf"))
         out[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
     return out
