@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -124,4 +124,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from experiments.bench_model import timed
-from experiments.common import environment, parser, table, with_ext
+from experiments.common import environment, parser, run_cli, table, with_ext
 from experiments.multiturn import parse_args as multiturn_args
 from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
@@ -242,4 +242,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

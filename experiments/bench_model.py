@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from experiments.common import environment, parser, with_ext
+from experiments.common import environment, parser, run_cli, with_ext
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
 from radixkv.kv_pool import KVPool
@@ -130,4 +130,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 import radixkv
+from experiments.common import run_cli
 from radixkv import HashBlockCache, PrefixCache, RadixCache, SlotAllocator
 
 CacheFactory = Callable[[int], PrefixCache]
@@ -465,4 +466,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

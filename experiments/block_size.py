@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from experiments.plots import fig5_block_size  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.cache.radix import RadixCache  # noqa: E402
@@ -148,4 +148,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,16 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for workloads and random policies")
     p.add_argument("--out", default=out, help="results path without extension: writes .jsonl and .png")
     return p
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """Run an experiment's ``main()`` as a command: bad input (a ``ValueError``, a missing file) is one line on
+    stderr and exit status 2, as argparse reports a bad flag, not a traceback."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def environment() -> dict:

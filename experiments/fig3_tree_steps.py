@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.common import run_cli
 from radixkv import RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import release_sequence
 from radixkv.viz import TreeDiff, diff_trees
@@ -309,4 +310,4 @@ def main(argv: list[str] | None = None) -> list[Step]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments import plots  # noqa: E402
-from experiments.common import read_rows, save_figure  # noqa: E402
+from experiments.common import read_rows, run_cli, save_figure  # noqa: E402
 
 FIGURES: dict[str, tuple[str, Callable]] = {  # output name -> (source, plot function)
     "fig2_policy_bounds": ("ablation", plots.fig2_policy_bounds),
@@ -86,4 +86,4 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from experiments.common import run_cli
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import serve_once
 
@@ -118,4 +119,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

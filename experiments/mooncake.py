@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import DEFAULT_TRACE, environment, parser, save_figure, table, write_rows  # noqa: E402
+from experiments.common import DEFAULT_TRACE, environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv.sim import simulate  # noqa: E402
 from radixkv.workloads import mooncake  # noqa: E402
 from radixkv.workloads.mooncake import read_trace, trace_upper_bound  # noqa: E402
@@ -101,4 +101,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv.sim import CostModel, simulate  # noqa: E402
 from radixkv.workloads import Request, TokenSource  # noqa: E402
 from radixkv.workloads.request import number  # noqa: E402
@@ -135,7 +135,10 @@ def simulate_cache(cache: str, args, cost: CostModel) -> tuple[list[dict], float
              "prompt_tokens": r["prompt_len"], "cached_tokens": r["hit"], "generated": r["output_len"],
              "ttft": r["ttft"], "latency": r["latency"], "config": res.config, "rejected": res.rejected}
             for r in res.per_request if r["turn"] >= 0 and not r["rejected"]]  # rejected: counted, no TTFT
-    start = min(r["ready"] for r in res.per_request if r["turn"] >= 0 and not r["rejected"])  # after the warm-up
+    served = [r["ready"] for r in res.per_request if r["turn"] >= 0 and not r["rejected"]]
+    if not served:
+        raise ValueError(f"no request of the workload fits in --kv-cache-tokens {args.kv_cache_tokens} ({cache})")
+    start = min(served)  # after the warm-up
     return rows, res.makespan - start
 
 
@@ -174,6 +177,9 @@ def plot(rows: list[dict], caches: list[str]):
     ax.set_title("Time to first token by turn index")
     ax.legend()
     return fig
+
+
+CACHES = ("none", "hash", "radix")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -217,6 +223,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.system_tokens < 0 or args.user_tokens < 1:
         p.error("--system-tokens must be >= 0 and --user-tokens >= 1")
+    unknown = [c for c in args.caches.split(",") if c not in CACHES]
+    if unknown:
+        p.error(f"--caches: unknown {unknown}; choose from {', '.join(CACHES)}")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    last = args.system_tokens + args.turns * (args.user_tokens + args.max_new_tokens) - 1  # its KV, alone
+    if args.kv_cache_tokens < last and not args.simulate:  # the engine would fail there; the simulator rejects
+        p.error(f"--kv-cache-tokens {args.kv_cache_tokens} cannot hold the last turn's request alone ({last} tokens)")
     return args
 
 
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     caches = args.caches.split(",")
     rows, summary, records = [], [], []
     if args.simulate:
-        cost = CostModel(**json.loads(Path(args.cost_model).read_text())) if args.cost_model else CostModel()
+        cost = CostModel.from_dict(json.loads(Path(args.cost_model).read_text())) if args.cost_model else CostModel()
         for cache in tqdm(caches, desc="caches (simulated)"):
             cache_rows, makespan = simulate_cache(cache, args, cost)
             rows += cache_rows
@@ -270,4 +284,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -120,4 +120,4 @@ def _scaled_sizes(workload: str, scale: float) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

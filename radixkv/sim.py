@@ -27,6 +27,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,20 @@ class CostModel:
     decode_step: float = 0.013
     decode_per_seq: float = 0.002
     step_overhead: float = 0.0005
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in asdict(self).items()
+               if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v) or v < 0}
+        if bad:
+            raise ValueError(f"CostModel constants must be finite numbers >= 0 (seconds), got {bad}")
+
+    @classmethod
+    def from_dict(cls, values: object) -> CostModel:
+        """A cost model from a dict of its constants (as ``--calibrate`` writes them); ``ValueError`` otherwise."""
+        names = {f for f in asdict(cls())}
+        if not isinstance(values, dict) or set(values) - names:
+            raise ValueError(f"a cost model is a JSON object with keys among {sorted(names)}, got {values!r}")
+        return cls(**values)
 
     def prefill_time(self, new_tokens: int, prefix_len: int) -> float:
         pairs = new_tokens * (prefix_len + (new_tokens + 1) / 2)

@@ -174,3 +174,29 @@ def test_bench_engine_targets_carry_this_machines_floor_where_one_applies():
     assert [r["floor"] for r in rows] == [8.0, None, None, None, 12.0, 19.0, None]
     assert [r["met"] for r in rows] == [False, True, True, True, False, True, True]
     assert all(r["floor"] is None for r in targets(summary, ours))
+
+
+def test_bad_input_to_an_experiment_is_one_line_and_exit_status_2(capsys, tmp_path):
+    from experiments.common import run_cli
+    from radixkv.sim import CostModel
+
+    def bad():
+        raise ValueError("prefix_cache must be one of ...")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(bad)
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith("error: prefix_cache must be one of ...")
+    for flags in (["--caches", "none,bogus"], ["--threads", "0"], ["--kv-cache-tokens", "80"]):  # 40 + 3 x 16 - 1
+        with pytest.raises(SystemExit):
+            multiturn.parse_args([*TINY, *flags])
+    assert multiturn.parse_args([*TINY, "--kv-cache-tokens", "87"]).kv_cache_tokens == 87
+    for values in ({"foo": 1}, [1], {"prefill_per_token": -1.0}, {"decode_step": "x"}):
+        with pytest.raises(ValueError):
+            CostModel.from_dict(values)
+    path = tmp_path / "cost.json"
+    path.write_text('{"prefill_per_token": -1}')
+    with pytest.raises(ValueError):
+        multiturn.main([*TINY, "--simulate", "--cost-model", str(path), "--out", str(tmp_path / "s")])
+    assert not (tmp_path / "s.jsonl").exists()
+    with pytest.raises(ValueError, match="no request"):  # the simulator rejects what cannot fit; here, everything
+        multiturn.main([*TINY, "--simulate", "--kv-cache-tokens", "10", "--out", str(tmp_path / "s")])
