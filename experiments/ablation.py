@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, fractions_from, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--max-running", type=int, default=32)
     args = p.parse_args(argv)
-    evictions, schedules = args.evictions.split(","), args.schedules.split(",")
-    rows = run(args.workloads.split(","), [float(f) for f in args.capacity_fracs.split(",")], evictions,
-               schedules, args)
+    evictions = names_from(args.evictions, EVICTIONS, "--evictions")
+    schedules = names_from(args.schedules, SCHEDULES, "--schedules")
+    fracs = fractions_from(args.capacity_fracs, "--capacity-fracs")
+    rows = run(names_from(args.workloads, SIZES, "--workloads"), fracs, evictions, schedules, args)
     add_belady_share(rows)
     summary = summarize(rows)
     print(table(summary, ["capacity_frac", "eviction", "schedule", "mean_hit_rate", "mean_pct_of_upper_bound",

@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, fractions_from, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from experiments.plots import fig5_block_size  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.cache.radix import RadixCache  # noqa: E402
@@ -131,9 +131,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-plot", action="store_true", help="write the .jsonl only")
     args = p.parse_args(argv)
     blocks = [int(b) for b in args.block_sizes.split(",")]
-    fracs = [float(f) for f in args.capacity_fracs.split(",")]
+    fracs = fractions_from(args.capacity_fracs, "--capacity-fracs")
+    if args.scale <= 0:
+        raise ValueError(f"--scale must be > 0, got {args.scale}")
     t0 = time.perf_counter()
-    rows = [row for name in args.workloads.split(",") for row in run(name, blocks, fracs, args)]
+    rows = [row for name in names_from(args.workloads, SIZES, "--workloads") for row in run(name, blocks, fracs, args)]
     print(table(comparison(rows), ["workload", "capacity", "capacity_tokens", "B", "radix", "hash", "radix-hash",
                                    "radix_page1", "upper_bound_B", "evicted_radix", "evicted_hash"],
                 {"radix": ".4f", "hash": ".4f", "radix-hash": "+.4f", "radix_page1": ".4f", "upper_bound_B": ".4f",

@@ -32,6 +32,26 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
     return p
 
 
+def names_from(text: str, allowed: Iterable[str], flag: str) -> list[str]:
+    """The comma-separated names in ``text``; a ``ValueError`` listing the choices if one is not ``allowed``."""
+    names, allowed = text.split(","), list(allowed)
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def fractions_from(text: str, flag: str) -> list[float]:
+    """The comma-separated numbers >= 0 in ``text`` (capacities, as fractions or tokens); else ``ValueError``."""
+    try:
+        fracs = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(f) and f >= 0 for f in fracs):
+        raise ValueError(f"{flag}: values must be finite and >= 0, got {text!r}")
+    return fracs
+
+
 def run_cli(main: Callable[[], object]) -> None:
     """Run an experiment's ``main()`` as a command: bad input (a ``ValueError``, a missing file) is one line on
     stderr and exit status 2, as argparse reports a bad flag, not a traceback."""

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments import plots  # noqa: E402
-from experiments.common import read_rows, run_cli, save_figure  # noqa: E402
+from experiments.common import names_from, read_rows, run_cli, save_figure  # noqa: E402
 
 FIGURES: dict[str, tuple[str, Callable]] = {  # output name -> (source, plot function)
     "fig2_policy_bounds": ("ablation", plots.fig2_policy_bounds),
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
                         "<results-dir>/multiturn-*.jsonl)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {list(FIGURES)}")
     args = p.parse_args(argv)
-    return draw(args.results_dir, args.out_dir, args.multiturn, args.only.split(",") if args.only else None)
+    only = names_from(args.only, FIGURES, "--only") if args.only else None
+    return draw(args.results_dir, args.out_dir, args.multiturn, only)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from experiments.common import run_cli
+from experiments.common import run_cli, with_ext
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import serve_once
 
@@ -103,7 +102,8 @@ CLAIMS = {
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/hash_vs_radix.json", help="where to write the results as JSON")
+    parser.add_argument("--out", default="results/hash_vs_radix",
+                        help="results path without extension (as for the other experiments): writes .json")
     parser.add_argument("--seed", type=int, default=0, help="unused: the examples are fixed (kept for a uniform CLI)")
     args = parser.parse_args(argv)
     results = {}
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== {title}: {fn.__doc__}")
         for name, value in results[title].items():
             print(f"{name}:\n{value}" if isinstance(value, str) else f"  {name:14s} {value}")
-    out = Path(args.out)
+    out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": {"block_size": BLOCK, "page_size": 1}, "results": results}, indent=2))
     return results

@@ -18,7 +18,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import DEFAULT_TRACE, environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import (  # noqa: E402
+    DEFAULT_TRACE,
+    environment,
+    fractions_from,
+    names_from,
+    parser,
+    run_cli,
+    save_figure,
+    table,
+    write_rows,
+)
 from radixkv.sim import simulate  # noqa: E402
 from radixkv.workloads import mooncake  # noqa: E402
 from radixkv.workloads.mooncake import read_trace, trace_upper_bound  # noqa: E402
@@ -65,10 +75,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--no-belady", action="store_true", help="skip the clairvoyant (Belady) reference runs")
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    arms = names_from(args.arms, ARMS, "--arms")
     requests = mooncake(args.trace, limit=args.limit)
     bound = trace_upper_bound(read_trace(args.trace, args.limit))
-    caps = [None if float(c) == 0 else int(float(c)) for c in args.capacities.split(",")]
-    arms = args.arms.split(",")
+    caps = [None if c == 0 else int(c) for c in fractions_from(args.capacities, "--capacities")]
     belady = {}
     if not args.no_belady:  # the clairvoyant reference at each capacity (radix, page 1, the arms' seed)
         # unlimited: nothing is evicted, so the reference is a plain replay, the "radix page 1" arm's own if it runs

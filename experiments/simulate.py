@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, fractions_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--in-batch-sharing", type=int, default=None, help="token threshold; off when omitted")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's request count")
     args = p.parse_args(argv)
+    if args.scale <= 0:
+        p.error("--scale must be > 0")
     sizes = _scaled_sizes(args.workload, args.scale)
     requests = workloads.make(args.workload, seed=args.seed, **sizes)
-    caps = capacities(requests, [float(f) for f in args.capacity_fracs.split(",")])
+    caps = capacities(requests, fractions_from(args.capacity_fracs, "--capacity-fracs"))
     rows = run_grid(requests, args.caches.split(","), caps, args.eviction_policies.split(","),
                     args.schedule_policies.split(","), args)
     for r in rows:

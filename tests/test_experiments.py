@@ -200,3 +200,15 @@ def test_bad_input_to_an_experiment_is_one_line_and_exit_status_2(capsys, tmp_pa
     assert not (tmp_path / "s.jsonl").exists()
     with pytest.raises(ValueError, match="no request"):  # the simulator rejects what cannot fit; here, everything
         multiturn.main([*TINY, "--simulate", "--kv-cache-tokens", "10", "--out", str(tmp_path / "s")])
+    from experiments import ablation, block_size, figures, mooncake, simulate
+
+    out = ["--out", str(tmp_path / "x")]
+    for main, flags in ((ablation.main, ["--workloads", "bogus"]), (ablation.main, ["--capacity-fracs", "-1"]),
+                        (block_size.main, ["--scale", "0"]), (mooncake.main, ["--arms", "bogus"]),
+                        (mooncake.main, ["--limit", "0"]), (simulate.main, ["--capacity-fracs", "abc"]),
+                        (simulate.main, ["--scale", "0"])):
+        with pytest.raises((ValueError, SystemExit)):  # SystemExit: argparse's own error, also exit status 2
+            main([*flags, *out])
+    with pytest.raises(ValueError, match="--only"):
+        figures.main(["--only", "bogus", "--out-dir", str(tmp_path)])
+    assert not list(tmp_path.glob("x*")) and not list(tmp_path.glob("*.png"))
