@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     blocks = [int(b) for b in args.block_sizes.split(",")]
     fracs = fractions_from(args.capacity_fracs, "--capacity-fracs")
     if args.scale <= 0:
-        raise ValueError(f"--scale must be > 0, got {args.scale}")
+        p.error("--scale must be > 0")
     t0 = time.perf_counter()
     rows = [row for name in names_from(args.workloads, SIZES, "--workloads") for row in run(name, blocks, fracs, args)]
     print(table(comparison(rows), ["workload", "capacity", "capacity_tokens", "B", "radix", "hash", "radix-hash",

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
 from radixkv.sim import CostModel, simulate  # noqa: E402
 from radixkv.workloads import Request, TokenSource  # noqa: E402
 from radixkv.workloads.request import number  # noqa: E402
@@ -223,9 +223,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.system_tokens < 0 or args.user_tokens < 1:
         p.error("--system-tokens must be >= 0 and --user-tokens >= 1")
-    unknown = [c for c in args.caches.split(",") if c not in CACHES]
-    if unknown:
-        p.error(f"--caches: unknown {unknown}; choose from {', '.join(CACHES)}")
+    try:
+        names_from(args.caches, CACHES, "--caches")
+    except ValueError as e:
+        p.error(str(e))
     if args.threads < 1:
         p.error("--threads must be >= 1")
     last = args.system_tokens + args.turns * (args.user_tokens + args.max_new_tokens) - 1  # its KV, alone

@@ -26,8 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from numbers import Real
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ from radixkv.cache.hash_block import HashBlockCache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
+from radixkv.config import _is_real
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import Candidate, make_policy
 from radixkv.workloads.request import Request
@@ -67,15 +67,14 @@ class CostModel:
     step_overhead: float = 0.0005
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in asdict(self).items()
-               if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v) or v < 0}
+        bad = {k: v for k, v in asdict(self).items() if not (_is_real(v) and v >= 0)}
         if bad:
             raise ValueError(f"CostModel constants must be finite numbers >= 0 (seconds), got {bad}")
 
     @classmethod
     def from_dict(cls, values: object) -> CostModel:
         """A cost model from a dict of its constants (as ``--calibrate`` writes them); ``ValueError`` otherwise."""
-        names = {f for f in asdict(cls())}
+        names = {f.name for f in fields(cls)}
         if not isinstance(values, dict) or set(values) - names:
             raise ValueError(f"a cost model is a JSON object with keys among {sorted(names)}, got {values!r}")
         return cls(**values)
