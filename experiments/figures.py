@@ -51,8 +51,17 @@ def source_path(results_dir: Path, name: str, multiturn: str | None = None) -> P
 
 def draw(results_dir: str | Path = "docs/figures", out_dir: str | Path = "docs/figures",
          multiturn: str | None = None, only: list[str] | None = None) -> dict[str, Path]:
-    """Draw every figure (or those in ``only``) whose source exists; returns name -> PNG path."""
+    """Draw every figure (or those in ``only``) whose source exists; returns name -> PNG path.
+
+    A ``results_dir`` that is not a directory, or a ``multiturn`` file that
+    does not exist, is a ``FileNotFoundError``: a typo would otherwise only
+    print a skip for every figure.
+    """
     results_dir, out_dir = Path(results_dir), Path(out_dir)
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"results directory {results_dir} does not exist")
+    if multiturn and not Path(multiturn).is_file():
+        raise FileNotFoundError(f"multi-turn results {multiturn} not found")
     written, cache = {}, {}
     for name, (source, fn) in FIGURES.items():
         if only and name not in only:

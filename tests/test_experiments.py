@@ -211,4 +211,11 @@ def test_bad_input_to_an_experiment_is_one_line_and_exit_status_2(capsys, tmp_pa
             main([*flags, *out])
     with pytest.raises(ValueError, match="--only"):
         figures.main(["--only", "bogus", "--out-dir", str(tmp_path)])
+    for flags in (["--results-dir", str(tmp_path / "nowhere")], ["--multiturn", str(tmp_path / "none.jsonl")]):
+        with pytest.raises(FileNotFoundError):
+            figures.main([*flags, "--out-dir", str(tmp_path)])
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 700}\n')
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: record has no output_length, hash_ids"):
+        mooncake.main(["--trace", str(trace), *out])
     assert not list(tmp_path.glob("x*")) and not list(tmp_path.glob("*.png"))

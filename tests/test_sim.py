@@ -247,6 +247,40 @@ def test_mooncake_missing_file_is_a_clear_error(tmp_path):
         workloads.mooncake(tmp_path / "missing.jsonl")
 
 
+GOOD_LINE = '{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}'
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not a JSON line"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"timestamp": 0, "output_length": 5, "hash_ids": [0, 1]}', "has no input_length"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": []}', "input_length must be"),
+    ('{"timestamp": 0, "input_length": "700", "output_length": 5, "hash_ids": [0, 1]}', "input_length must be"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": -1, "hash_ids": [0, 1]}', "output_length must be"),
+    ('{"timestamp": "now", "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}', "timestamp must be"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, "x"]}', "hash_ids must be"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0]}', "do not cover input_length"),
+])
+def test_mooncake_bad_line_names_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD_LINE}\n\n{line}\n")
+    with pytest.raises(ValueError, match=message) as err:
+        workloads.mooncake(path)
+    assert f"{path}:3:" in str(err.value)
+    assert len(workloads.mooncake(path, limit=1)) == 1  # the lines before the bad one still replay
+
+
+def test_mooncake_empty_trace_or_bad_limit_is_a_clear_error(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no records"):
+        workloads.mooncake(path)
+    path.write_text(GOOD_LINE + "\n")
+    for limit in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="limit"):
+            read_trace(path, limit)
+
+
 def test_mooncake_blocks_become_tokens(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}\n'

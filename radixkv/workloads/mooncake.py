@@ -13,6 +13,7 @@ prompt ever hits them (Mooncake's trace records no reuse of outputs).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +24,58 @@ TRACE_BLOCK = 512
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
-    """The trace's records (dicts), at most ``limit`` of them. A missing file is a clear error."""
+    """The trace's records (dicts), at most ``limit`` of them, each checked as it is read.
+
+    A missing file, a line that is not a JSON object, a record without one of
+    the four fields or with a value of the wrong kind (``input_length`` must
+    be an integer >= 1, ``output_length`` >= 0, ``timestamp`` a finite number,
+    ``hash_ids`` one integer per 512-token block), and a trace with no records
+    are ``FileNotFoundError`` / ``ValueError`` naming the file and line.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace not found at {path} (see shared/traces/README.md)")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
     rows = []
     with path.open() as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                rows.append(json.loads(line))
+                rows.append(_record(line, f"{path}:{number}"))
                 if limit is not None and len(rows) >= limit:
                     break
+    if not rows:
+        raise ValueError(f"Mooncake trace {path} has no records")
     return rows
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _record(line: str, where: str) -> dict:
+    """One trace line as a checked record; ``where`` (file:line) goes into every error."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON line ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
+    if missing:
+        raise ValueError(f"{where}: record has no {', '.join(missing)}")
+    n, out, ts, ids = row["input_length"], row["output_length"], row["timestamp"], row["hash_ids"]
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"{where}: input_length must be an integer >= 1, got {n!r}")
+    if not _is_int(out) or out < 0:
+        raise ValueError(f"{where}: output_length must be an integer >= 0, got {out!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ValueError(f"{where}: timestamp must be a finite number, got {ts!r}")
+    if not isinstance(ids, list) or not all(_is_int(b) for b in ids):
+        raise ValueError(f"{where}: hash_ids must be a list of integers")
+    if len(ids) != -(-n // TRACE_BLOCK):
+        raise ValueError(f"{where}: {len(ids)} hash ids do not cover input_length {n} in blocks of {TRACE_BLOCK}")
+    return row
 
 
 def block_tokens(hash_ids: list[int], input_length: int, block: int = TRACE_BLOCK) -> np.ndarray:
