@@ -53,19 +53,20 @@ def draw(results_dir: str | Path = "docs/figures", out_dir: str | Path = "docs/f
          multiturn: str | None = None, only: list[str] | None = None) -> dict[str, Path]:
     """Draw every figure (or those in ``only``) whose source exists; returns name -> PNG path.
 
-    A ``results_dir`` that is not a directory, or a ``multiturn`` file that
-    does not exist, is a ``FileNotFoundError``: a typo would otherwise only
-    print a skip for every figure.
+    A ``results_dir`` that is not a directory (where a figure to draw reads
+    from it), or a ``multiturn`` file that does not exist, is a
+    ``FileNotFoundError``: a typo would otherwise only print a skip for every
+    figure.
     """
     results_dir, out_dir = Path(results_dir), Path(out_dir)
-    if not results_dir.is_dir():
-        raise FileNotFoundError(f"results directory {results_dir} does not exist")
     if multiturn and not Path(multiturn).is_file():
         raise FileNotFoundError(f"multi-turn results {multiturn} not found")
     written, cache = {}, {}
     for name, (source, fn) in FIGURES.items():
         if only and name not in only:
             continue
+        if not (source == "multiturn" and multiturn) and not results_dir.is_dir():
+            raise FileNotFoundError(f"results directory {results_dir} does not exist")
         path = source_path(results_dir, source, multiturn)
         if path is None:
             where = multiturn if source == "multiturn" and multiturn else results_dir / f"{source}.jsonl"

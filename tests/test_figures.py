@@ -121,6 +121,16 @@ def test_figures_redraws_what_exists_and_skips_the_rest(tmp_path, capsys):
     assert "skip fig3_mooncake_capacity" in out and "skip fig5_block_size" in out
 
 
+def test_figures_named_multiturn_file_needs_no_results_dir(tmp_path):
+    write_rows(tmp_path / "mt", multiturn_rows())
+    written = figures.main(["--only", "fig4_multiturn_ttft", "--multiturn", str(tmp_path / "mt.jsonl"),
+                            "--results-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "out")])
+    assert set(written) == {"fig4_multiturn_ttft"}
+    with pytest.raises(FileNotFoundError, match="nowhere"):  # any other figure reads the directory
+        figures.main(["--only", "fig2_policy_bounds", "--multiturn", str(tmp_path / "mt.jsonl"),
+                      "--results-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "out")])
+
+
 def test_block_size_runs_small_and_radix_matches_or_beats_hash(tmp_path):
     rows = block_size.main(["--scale", "0.1", "--block-sizes", "1,4,16,64", "--out", str(tmp_path / "bs")])
     assert read_rows(tmp_path / "bs.jsonl") and (tmp_path / "bs.png").exists()

@@ -260,6 +260,13 @@ GOOD_LINE = '{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids
     ('{"timestamp": "now", "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}', "timestamp must be"),
     ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, "x"]}', "hash_ids must be"),
     ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0]}', "do not cover input_length"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 18014398509481984]}', "hash_ids must"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [-1, 1]}', "hash_ids must"),
+    ('{"timestamp": 1' + '0' * 400 + ', "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}',
+     "timestamp must"),  # an int too large for a float
+    ('{"timestamp": NaN, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}', "timestamp must"),
+    ('{"timestamp": 0, "input_length": 700, "output_length": 1e20, "hash_ids": [0, 1]}', "output_length must"),
+    ('{"timestamp": 0, "input_length": 700.5, "output_length": 5, "hash_ids": [0, 1]}', "input_length must"),
 ])
 def test_mooncake_bad_line_names_the_file_and_line(tmp_path, line, message):
     path = tmp_path / "t.jsonl"
@@ -268,6 +275,23 @@ def test_mooncake_bad_line_names_the_file_and_line(tmp_path, line, message):
         workloads.mooncake(path)
     assert f"{path}:3:" in str(err.value)
     assert len(workloads.mooncake(path, limit=1)) == 1  # the lines before the bad one still replay
+
+
+def test_mooncake_line_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=f"{path}:2: not UTF-8"):
+        workloads.mooncake(path)
+
+
+def test_mooncake_integral_floats_and_numpy_limits_are_read_as_integers(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0.5, "input_length": 700.0, "output_length": 5.0, "hash_ids": [0, 1.0]}\n'
+                    + GOOD_LINE + "\n")
+    rows = read_trace(path, np.int64(1))
+    assert len(rows) == 1 and rows[0]["input_length"] == 700 and type(rows[0]["input_length"]) is int
+    (a,) = workloads.mooncake(path, limit=1)
+    assert a.prompt_len == 700 and a.output_len == 5 and a.arrival == 0.0005
 
 
 def test_mooncake_empty_trace_or_bad_limit_is_a_clear_error(tmp_path):

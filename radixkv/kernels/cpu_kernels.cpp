@@ -475,9 +475,10 @@ inline void prefetch_row(const T* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
-// Decode prefetches pool rows this many tokens ahead: slots need not be consecutive, so the hardware
-// prefetcher cannot guess them. Without it the kernel waited on memory most of the time (8 requests x
-// 1,024 tokens, 30 layers from DRAM: 2x slower); prefetching further ahead (32-256) measured slower.
+// Decode prefetches whole K rows, and each P.V pass its slice of the V rows, this many tokens ahead: slots
+// need not be consecutive, so the hardware prefetcher cannot guess them. Without it the kernel waited on
+// memory most of the time (8 requests x 1,024 tokens, 30 layers from DRAM: 2x slower); prefetching
+// further ahead (32-256) or nearer (8) measured slower.
 constexpr int64_t kDecodePrefetchK = 16, kDecodePrefetchV = 32;
 constexpr int64_t kDecodePart = 256;   // tokens per task: a long context splits across threads (flash-decoding)
 

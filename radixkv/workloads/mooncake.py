@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 
 import numpy as np
@@ -23,25 +24,36 @@ from radixkv.workloads.request import Request
 TRACE_BLOCK = 512
 
 
+MAX_LENGTH = 1 << 24  # tokens: past any model's context, and small enough that a replay's arrays fit in memory
+MAX_HASH_ID = 1 << 54  # block ids b * 512 + 511 must fit in int64 (and stay clear of the outputs' negative ids)
+
+
 def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     """The trace's records (dicts), at most ``limit`` of them, each checked as it is read.
 
-    A missing file, a line that is not a JSON object, a record without one of
-    the four fields or with a value of the wrong kind (``input_length`` must
-    be an integer >= 1, ``output_length`` >= 0, ``timestamp`` a finite number,
-    ``hash_ids`` one integer per 512-token block), and a trace with no records
-    are ``FileNotFoundError`` / ``ValueError`` naming the file and line.
+    A missing file is a ``FileNotFoundError``; a ``limit`` below 1, a trace
+    with no records, and any line that is not a valid record are
+    ``ValueError``s, a line's naming the file and line: not UTF-8 or not a
+    JSON object, one of the four fields missing, ``input_length`` not an
+    integer in [1, 2^24], ``output_length`` not in [0, 2^24], ``timestamp``
+    not a finite number, ``hash_ids`` not one integer in [0, 2^54) per
+    512-token block. Integral floats (``700.0``) are read as integers.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace not found at {path} (see shared/traces/README.md)")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8 text") from None
             if line.strip():
-                rows.append(_record(line, f"{path}:{number}"))
+                rows.append(_record(line, where))
                 if limit is not None and len(rows) >= limit:
                     break
     if not rows:
@@ -49,12 +61,28 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _integer(x: object) -> int | None:
+    """``x`` as an int where it is one (or an integral float), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return None
+
+
+def _finite(x: object) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _record(line: str, where: str) -> dict:
-    """One trace line as a checked record; ``where`` (file:line) goes into every error."""
+    """One trace line as a checked record, lengths as ints; ``where`` (file:line) goes into every error."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -64,18 +92,19 @@ def _record(line: str, where: str) -> dict:
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
     if missing:
         raise ValueError(f"{where}: record has no {', '.join(missing)}")
-    n, out, ts, ids = row["input_length"], row["output_length"], row["timestamp"], row["hash_ids"]
-    if not _is_int(n) or n < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {n!r}")
-    if not _is_int(out) or out < 0:
-        raise ValueError(f"{where}: output_length must be an integer >= 0, got {out!r}")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+    n, out, ts, ids = _integer(row["input_length"]), _integer(row["output_length"]), row["timestamp"], row["hash_ids"]
+    if n is None or not 1 <= n <= MAX_LENGTH:
+        raise ValueError(f"{where}: input_length must be an integer in [1, {MAX_LENGTH}], got {row['input_length']!r}")
+    if out is None or not 0 <= out <= MAX_LENGTH:
+        raise ValueError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH}], "
+                         f"got {row['output_length']!r}")
+    if not _finite(ts):
         raise ValueError(f"{where}: timestamp must be a finite number, got {ts!r}")
-    if not isinstance(ids, list) or not all(_is_int(b) for b in ids):
-        raise ValueError(f"{where}: hash_ids must be a list of integers")
+    if not isinstance(ids, list) or not all(_integer(b) is not None and 0 <= b < MAX_HASH_ID for b in ids):
+        raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^54)")
     if len(ids) != -(-n // TRACE_BLOCK):
         raise ValueError(f"{where}: {len(ids)} hash ids do not cover input_length {n} in blocks of {TRACE_BLOCK}")
-    return row
+    return {**row, "input_length": n, "output_length": out, "hash_ids": [int(b) for b in ids]}
 
 
 def block_tokens(hash_ids: list[int], input_length: int, block: int = TRACE_BLOCK) -> np.ndarray:
