@@ -30,8 +30,7 @@ from experiments.common import (  # noqa: E402
     write_rows,
 )
 from radixkv.sim import simulate  # noqa: E402
-from radixkv.workloads import mooncake  # noqa: E402
-from radixkv.workloads.mooncake import read_trace, trace_upper_bound  # noqa: E402
+from radixkv.workloads.mooncake import read_trace, trace_requests, trace_upper_bound  # noqa: E402
 
 ARMS = {  # name -> simulate() arguments
     "radix page 1": dict(cache="radix", page_size=1),
@@ -78,8 +77,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
     arms = names_from(args.arms, ARMS, "--arms")
-    requests = mooncake(args.trace, limit=args.limit)
-    bound = trace_upper_bound(read_trace(args.trace, args.limit))
+    records = read_trace(args.trace, args.limit)  # read and checked once, for the replay and its bound
+    requests = trace_requests(records)
+    bound = trace_upper_bound(records)
     caps = [None if c == 0 else int(c) for c in fractions_from(args.capacities, "--capacities")]
     belady = {}
     if not args.no_belady:  # the clairvoyant reference at each capacity (radix, page 1, the arms' seed)

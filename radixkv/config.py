@@ -138,4 +138,10 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (not a bool); an int too large for a float is not one."""
+    if not isinstance(x, Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

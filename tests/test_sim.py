@@ -322,6 +322,11 @@ def test_zero_cost_model_does_not_divide_by_zero():
     assert simulate(reqs, cost_model=free).makespan == pytest.approx(0.0, abs=1e-6)
 
 
+def test_an_int_too_large_for_a_float_is_a_bad_value_not_an_overflow():
+    with pytest.raises(ValueError, match="finite"):
+        CostModel(decode_step=10**400)
+
+
 def test_cost_model_fit_recovers_known_constants():
     from radixkv.model.step import StepRecord
     from radixkv.sim import CostModel

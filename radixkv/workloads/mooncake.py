@@ -13,17 +13,14 @@ prompt ever hits them (Mooncake's trace records no reuse of outputs).
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from pathlib import Path
 
 import numpy as np
 
+from radixkv.config import _is_int, _is_real
 from radixkv.workloads.request import Request
 
 TRACE_BLOCK = 512
-
-
 MAX_LENGTH = 1 << 24  # tokens: past any model's context, and small enough that a replay's arrays fit in memory
 MAX_HASH_ID = 1 << 54  # block ids b * 512 + 511 must fit in int64 (and stay clear of the outputs' negative ids)
 
@@ -42,7 +39,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace not found at {path} (see shared/traces/README.md)")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+    if limit is not None and (not _is_int(limit) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
     rows = []
     with path.open("rb") as f:
@@ -63,22 +60,11 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def _integer(x: object) -> int | None:
     """``x`` as an int where it is one (or an integral float), else None."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
+    if _is_int(x):
+        return int(x)
     if isinstance(x, float) and x.is_integer():
         return int(x)
     return None
-
-
-def _finite(x: object) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 def _record(line: str, where: str) -> dict:
@@ -98,7 +84,7 @@ def _record(line: str, where: str) -> dict:
     if out is None or not 0 <= out <= MAX_LENGTH:
         raise ValueError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH}], "
                          f"got {row['output_length']!r}")
-    if not _finite(ts):
+    if not _is_real(ts):
         raise ValueError(f"{where}: timestamp must be a finite number, got {ts!r}")
     if not isinstance(ids, list) or not all(_integer(b) is not None and 0 <= b < MAX_HASH_ID for b in ids):
         raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^54)")
@@ -117,9 +103,14 @@ def block_tokens(hash_ids: list[int], input_length: int, block: int = TRACE_BLOC
 
 def mooncake(path: str | Path, limit: int | None = None) -> list[Request]:
     """Mooncake trace as requests: arrival from ``timestamp``, prompt from ``hash_ids``."""
+    return trace_requests(read_trace(path, limit))
+
+
+def trace_requests(rows: list[dict]) -> list[Request]:
+    """``read_trace``'s records as requests (for callers that also need the records, e.g. ``trace_upper_bound``)."""
     requests = []
     next_output_id = -1
-    for i, row in enumerate(read_trace(path, limit)):
+    for i, row in enumerate(rows):
         out_len = max(int(row["output_length"]), 1)
         output = np.arange(next_output_id, next_output_id - out_len, -1, dtype=np.int64)
         next_output_id -= out_len
