@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
-from radixkv.sim import CostModel, simulate  # noqa: E402
+from radixkv.config import EngineConfig  # noqa: E402
+from radixkv.sim import CostModel, SimResult, simulate  # noqa: E402
 from radixkv.workloads import Request, TokenSource  # noqa: E402
 from radixkv.workloads.request import number  # noqa: E402
 
@@ -66,6 +67,7 @@ def engine_kwargs(cache: str, args) -> dict:
     return dict(prefix_cache=cache, page_size=args.page_size, block_size=args.block_size,
                 kv_cache_tokens=args.kv_cache_tokens, eviction_policy=args.eviction_policy,
                 schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
+                max_batch_tokens=args.max_batch_tokens,
                 in_batch_sharing=args.in_batch_sharing if cache != "none" else 0,  # what the engine applies
                 attention_backend=args.attention_backend,
                 dtype=args.dtype, seed=args.seed)
@@ -100,37 +102,50 @@ def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict],
 
 
 def sim_requests(args) -> list[Request]:
-    """The same workload as ``Request``s for the simulator: turn t+1 extends turn t's prompt and answer."""
+    """The same workload as ``Request``s for the simulator: turn t+1 extends turn t's prompt and answer.
+
+    As ``run_cache`` serves it, turn t+1 of every session is sent when turn t
+    of every session has finished (``after``), and turn 1 after the warm-up.
+    """
     system, users = user_turns(args)
     answers = TokenSource(args.seed + 1, vocab_size=VOCAB.get(args.model, 512))
     requests: list[Request] = []
     if args.warmup:  # turn 1 is sent when the system prompt has been served (rows with turn -1 are dropped)
         requests.append(Request(arrival=0.0, session=-1, prompt=system, output_len=1, meta={"turn": -1}))
-    warmup = 0 if args.warmup else None
-    for s in range(args.sessions):
-        history, parent = system, warmup
-        for t in range(args.turns):
-            prompt = np.concatenate([history, users[s][t]])
+    barrier = [0] if args.warmup else []  # the requests the next turn waits for
+    history = [system] * args.sessions
+    parents: list[int | None] = [0 if args.warmup else None] * args.sessions
+    for t in range(args.turns):
+        turn = []
+        for s in range(args.sessions):
+            prompt = np.concatenate([history[s], users[s][t]])
             output = answers.span(args.max_new_tokens)
             requests.append(Request(arrival=t * 1e-9, session=s, prompt=prompt, output_len=len(output),
-                                    output=output, parent=parent, meta={"turn": t}))
-            parent, history = len(requests) - 1, np.concatenate([prompt, output])
-    return number(requests)  # arrival order, parents remapped
+                                    output=output, parent=parents[s], meta={"turn": t}, after=tuple(barrier)))
+            parents[s], history[s] = len(requests) - 1, np.concatenate([prompt, output])
+            turn.append(len(requests) - 1)
+        barrier = turn
+    return number(requests)  # arrival order, parents and barriers remapped
+
+
+def simulate_workload(cache: str, args, cost: CostModel) -> SimResult:
+    """The workload through the simulator, scheduled as ``run_cache``'s engine schedules it.
+
+    Same prompts, warm-up, turn-by-turn sending, cache, KV budget, schedule,
+    token budgets (``--max-batch-tokens``, ``--chunked-prefill-size``) and
+    in-batch sharing as the engine; unlike the engine, the simulator reserves
+    a request's whole output at admission and so never preempts.
+    """
+    return simulate(sim_requests(args), cache, capacity_tokens=args.kv_cache_tokens, page_size=args.page_size,
+                    block_size=args.block_size, eviction_policy=args.eviction_policy,
+                    schedule_policy=args.schedule_policy, cost_model=cost, seed=args.seed,
+                    in_batch_sharing=args.in_batch_sharing if cache != "none" else None,
+                    max_batch_tokens=args.max_batch_tokens, chunked_prefill_size=args.chunked_prefill_size)
 
 
 def simulate_cache(cache: str, args, cost: CostModel) -> tuple[list[dict], float]:
-    """The workload through the simulator: rows in ``run_cache``'s schema and the simulated makespan.
-
-    Same prompts, warm-up, cache, KV budget, schedule and in-batch sharing as
-    the engine; unlike the engine, the simulator prefills an admitted request
-    whole (no chunking, no per-step token budget), reserves its whole output
-    at admission, and sends a session's next turn as soon as that session's
-    turn ends (the engine serves turn k of all sessions together).
-    """
-    res = simulate(sim_requests(args), cache, capacity_tokens=args.kv_cache_tokens, page_size=args.page_size,
-                   block_size=args.block_size, eviction_policy=args.eviction_policy,
-                   schedule_policy=args.schedule_policy, cost_model=cost, seed=args.seed,
-                   in_batch_sharing=args.in_batch_sharing if cache != "none" else None)
+    """``simulate_workload``'s result as rows in ``run_cache``'s schema, and the makespan after the warm-up."""
+    res = simulate_workload(cache, args, cost)
     rows = [{"cache": cache, "source": "simulated", "session": r["session"], "turn": r["turn"],
              "prompt_tokens": r["prompt_len"], "cached_tokens": r["hit"], "generated": r["output_len"],
              "ttft": r["ttft"], "latency": r["latency"], "config": res.config, "rejected": res.rejected}
@@ -201,7 +216,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--eviction-policy", default="lru")
     p.add_argument("--schedule-policy", default="lpm")
-    p.add_argument("--chunked-prefill-size", type=int, default=1024)
+    p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
+    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens,
+                   help="the engine's token budget per step (decodes and prefill chunks)")
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | torch-cascade | cpu | flashinfer")
@@ -229,6 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.chunked_prefill_size < 1 or args.max_batch_tokens < 1:
+        p.error("--chunked-prefill-size and --max-batch-tokens must be >= 1")
     last = args.system_tokens + args.turns * (args.user_tokens + args.max_new_tokens) - 1  # its KV, alone
     if args.kv_cache_tokens < last and not args.simulate:  # the engine would fail there; the simulator rejects
         p.error(f"--kv-cache-tokens {args.kv_cache_tokens} cannot hold the last turn's request alone ({last} tokens)")

@@ -4,12 +4,18 @@
 engine uses (``RadixCache`` / ``HashBlockCache`` / ``NoPrefixCache``, a
 ``SlotAllocator`` of the given KV budget, the policies of
 ``radixkv.scheduling``); only the model's forward is replaced by a
-``CostModel``. One engine step admits waiting requests (policy order, under
-the KV budget and ``max_running``), prefills them whole, and runs one decode
-step for the others; consecutive steps with nothing to admit are taken in one
-stride. A request reserves its KV (uncached prompt + output - 1 tokens, the
-last generated token's KV is never computed) when admitted; on finishing it
-inserts prompt + output[:-1] into the cache and unlocks its prefix.
+``CostModel``. One step schedules as ``LLM.step`` does: running requests
+first (a decode token each, or their prompt's next chunk), then waiting ones
+in policy order (under the KV budget and ``max_running``), each chunk at most
+``chunked_prefill_size`` tokens and the step at most ``max_batch_tokens``;
+without those limits an admitted request is prefilled whole in one step.
+Each finished chunk joins the cache, as in the engine. Consecutive steps with
+nothing but decodes are taken in one stride. Unlike the engine, a request
+reserves its whole KV (uncached prompt + output - 1 tokens, the last
+generated token's KV is never computed) when admitted, so nothing is ever
+preempted; on finishing it inserts prompt + output[:-1] into the cache and
+unlocks its prefix. A request is sent at its arrival, or ``think_time`` after
+its ``parent`` and every request of its ``after`` have finished.
 
 ``upper_bound`` gives the best hit rate any capacity and order could reach;
 ``eviction_policy="belady"`` gives the clairvoyant eviction reference at a
@@ -37,7 +43,7 @@ from radixkv.cache.hash_block import HashBlockCache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
-from radixkv.config import _is_real
+from radixkv.config import _is_int, _is_real
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import Candidate, make_policy
 from radixkv.workloads.request import Request
@@ -128,7 +134,12 @@ class CostModel:
 
 @dataclass
 class SimResult:
-    """Totals (token counts are real tokens) and one row per request."""
+    """Totals (token counts are real tokens), one row per request, and the steps.
+
+    ``steps`` holds one ``(prefill_tokens, attention_pairs, decodes, repeats)``
+    per scheduled step, in the terms of ``StepRecord`` (``repeats`` > 1 for a
+    stride of identical decode-only steps).
+    """
 
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -138,6 +149,7 @@ class SimResult:
     makespan: float = 0.0
     config: dict = field(default_factory=dict)
     per_request: list[dict] = field(default_factory=list)
+    steps: list[tuple[int, float, int, int]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -169,7 +181,12 @@ class _Running:
     admitted: float
     first_token: float = -1.0
     generated: int = 0
-    cached: int = 0  # leading slots that are the cache's own (after the prompt was inserted)
+    cached: int = 0  # leading slots that are the cache's own (the inserted chunks, the matched prefix)
+    computed: int = 0  # leading prompt tokens whose KV exists (the match, then each finished chunk)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.req.prompt)
 
 
 def _output_tokens(req: Request, fresh: list[int]) -> np.ndarray:
@@ -206,17 +223,21 @@ def _cacheable_prompt(prompt: np.ndarray) -> np.ndarray:
 class _Simulation:
     """State of one run; ``simulate`` is its only user."""
 
-    def __init__(self, requests, cache, allocator, policy, max_running, cost):
+    def __init__(self, requests, cache, allocator, policy, max_running, cost, max_batch_tokens, chunk):
         self.requests, self.cache, self.alloc = requests, cache, allocator
         self.policy, self.max_running, self.cost = policy, max_running, cost
+        self.max_batch_tokens, self.chunk = max_batch_tokens, chunk  # math.inf where unlimited
         self.result = SimResult()
         self.now = 0.0
-        self.pending = sorted((r.arrival, r.rid) for r in requests if r.parent is None)  # (ready time, rid)
-        self.children: dict[int, list[Request]] = {}
-        for r in requests:
-            if r.parent is not None:
-                self.children.setdefault(r.parent, []).append(r)
         self.ready_at = {r.rid: r.arrival for r in requests}
+        self.blockers: dict[int, int] = {}  # rid -> requests it waits for that have not finished
+        self.dependents: dict[int, list[int]] = {}
+        for r in requests:
+            deps = set(r.after) | ({r.parent} if r.parent is not None else set())
+            self.blockers[r.rid] = len(deps)
+            for d in deps:
+                self.dependents.setdefault(d, []).append(r.rid)
+        self.pending = sorted((r.arrival, r.rid) for r in requests if not self.blockers[r.rid])  # (ready, rid)
         self.waiting: dict[int, Request] = {}  # rid -> request, in arrival order
         self.running: list[_Running] = []
         self.fresh = [-1]
@@ -224,10 +245,12 @@ class _Simulation:
 
     # -- arrivals ------------------------------------------------------------
     def _release(self, rid: int, t: float) -> None:
-        for child in self.children.get(rid, ()):
-            ready = max(child.arrival, t + child.think_time)
-            self.ready_at[child.rid] = ready
-            self._push_pending(ready, child.rid)
+        """``rid`` finished (or was rejected) at ``t``: send whatever no longer waits for anything."""
+        for child in self.dependents.get(rid, ()):
+            self.ready_at[child] = max(self.ready_at[child], t + self.requests[child].think_time)
+            self.blockers[child] -= 1
+            if not self.blockers[child]:
+                self._push_pending(self.ready_at[child], child)
 
     def _push_pending(self, t: float, rid: int) -> None:
         bisect.insort(self.pending, (t, rid))
@@ -250,8 +273,9 @@ class _Simulation:
         self._release(req.rid, self.now)
 
     # -- admission -----------------------------------------------------------
-    def _admit(self) -> list[_Running]:
-        if not self.waiting or len(self.running) >= self.max_running:
+    def _admit(self, budget: float) -> list[tuple[_Running, int]]:
+        """Admit waiting requests in policy order while tokens, batch slots and KV last; each with its first chunk."""
+        if not self.waiting or len(self.running) >= self.max_running or budget < 1:
             return []
         waiting = self.waiting.values()
         if self.policy.needs_match:
@@ -265,13 +289,15 @@ class _Simulation:
                 Candidate(r, r.prompt, None, r.rid, r.namespace) for r in waiting])]
         admitted = []
         for req in order:
-            if len(self.running) + len(admitted) >= self.max_running:
+            if len(self.running) + len(admitted) >= self.max_running or budget < 1:
                 break
             state = self._try_admit(req)
             if state is None:
                 break  # out of KV memory until a running request finishes
-            admitted.append(state)
-        for state in admitted:
+            n = int(min(len(req.prompt) - state.computed, self.chunk, budget))
+            admitted.append((state, n))
+            budget -= n
+        for state, _ in admitted:
             del self.waiting[state.req.rid]
         return admitted
 
@@ -289,19 +315,20 @@ class _Simulation:
         if self.future is not None:
             self.future.served(req.rid)
         slots = np.concatenate([m.indices, self.alloc.alloc(need)])
-        return _Running(req, self.ready_at[req.rid], m.node, m.length, slots, self.now, cached=m.length)
+        return _Running(req, self.ready_at[req.rid], m.node, m.length, slots, self.now, cached=m.length,
+                        computed=m.length)
 
     # -- steps ---------------------------------------------------------------
-    def _cache_prompt(self, run: _Running) -> None:
-        """After prefill: the prompt's KV joins the cache, as SGLang and vLLM do before decoding.
+    def _cache_chunk(self, run: _Running) -> None:
+        """After a prefill chunk: the prompt's computed KV joins the cache, as in the engine (and SGLang, vLLM).
 
         Duplicates (computed by a request admitted in the same step) are
         freed and the request's slots become the cache's canonical ones; its
-        lock moves to the node that now ends its prompt.
+        lock moves to the node that now ends its computed prompt.
         """
         req = run.req
-        run.node, run.cached, run.slots = commit_prefix(self.cache, self.alloc, req.prompt, run.slots, run.cached,
-                                                        run.node, req.namespace)
+        run.node, run.cached, run.slots = commit_prefix(self.cache, self.alloc, req.prompt[: run.computed],
+                                                        run.slots, run.cached, run.node, req.namespace)
 
     def _finish(self, run: _Running) -> None:
         req = run.req
@@ -320,24 +347,40 @@ class _Simulation:
         self._release(req.rid, self.now)
 
     def step(self) -> None:
-        admitted = self._admit()
-        decoding = self.running
-        if admitted:
-            dt = self.cost.step_overhead + self.cost.decode_time(len(decoding))
-            dt += sum(self.cost.prefill_time(len(s.req.prompt) - s.hit, s.hit) for s in admitted)
-            strides = 1
-        else:
-            dt = self.cost.step_overhead + self.cost.decode_time(len(decoding))
+        budget = self.max_batch_tokens
+        chunks: list[tuple[_Running, int]] = []
+        decoding: list[_Running] = []
+        for s in self.running:  # the engine's order: running requests first, in admission order
+            if s.prefilling:
+                n = int(min(len(s.req.prompt) - s.computed, self.chunk, budget))
+                if n >= 1:
+                    chunks.append((s, n))
+                    budget -= n
+            elif budget >= 1:
+                decoding.append(s)
+                budget -= 1
+        admitted = self._admit(budget)
+        chunks += admitted
+        if not chunks and not decoding:
+            raise RuntimeError("simulator stalled: a step with nothing to run")  # budget >= 1 and an empty pool admits
+        tokens = sum(n for _, n in chunks)
+        pairs = sum(n * (s.computed + (n + 1) / 2) for s, n in chunks)
+        dt = self.cost.step_time(tokens, pairs, len(decoding))
+        strides = 1
+        if not chunks and len(decoding) == len(self.running):  # decodes only, until one finishes or arrives
             strides = min(s.req.output_len - s.generated for s in decoding)
             if self.pending and dt > 0:  # stop striding when the next request arrives
                 strides = max(1, min(strides, math.ceil((self.pending[0][0] - self.now) / dt)))
         self.now += dt * strides
+        self.result.steps.append((tokens, pairs, len(decoding), strides))
         for s in decoding:
             s.generated += strides
-        for s in admitted:
-            s.first_token, s.generated = self.now, 1
-            self._cache_prompt(s)
-        self.running = decoding + admitted
+        for s, n in chunks:
+            s.computed += n
+            self._cache_chunk(s)
+            if not s.prefilling:  # the last chunk's logits give the first token
+                s.first_token, s.generated = self.now, 1
+        self.running += [s for s, _ in admitted]
         done = [s for s in self.running if s.generated >= s.req.output_len]
         self.running = [s for s in self.running if s.generated < s.req.output_len]
         for s in done:
@@ -350,6 +393,9 @@ class _Simulation:
             self._arrive()
             if self.waiting or self.running:
                 self.step()
+        if len(self.result.per_request) < len(self.requests):
+            stuck = sorted(set(self.blockers) - {row["rid"] for row in self.result.per_request})
+            raise ValueError(f"requests {stuck[:5]} were never sent: their parent / after links form a cycle")
         self.result.makespan = self.now
         self.result.per_request.sort(key=lambda row: row["rid"])
         return self.result
@@ -367,6 +413,8 @@ def simulate(
     cost_model: CostModel | None = None,
     seed: int = 0,
     in_batch_sharing: int | None = None,
+    max_batch_tokens: int | None = None,
+    chunked_prefill_size: int | None = None,
 ) -> SimResult:
     """Replay ``requests`` through one cache under one KV budget; see the module doc.
 
@@ -378,10 +426,17 @@ def simulate(
         eviction_policy: as the caches take it, or ``belady`` (radix only).
         schedule_policy: ``fcfs``, ``lpm``, ``dfs-weight`` or ``random`` (seeded by ``seed``).
         in_batch_sharing: a token threshold enabling in-batch prefix sharing.
+        max_batch_tokens / chunked_prefill_size: the engine's token budget per
+            step and per prefill chunk (``EngineConfig``); None: unlimited, so
+            every admitted prompt is prefilled whole in one step.
     """
     requests = _numbered(list(requests))
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
+    limits = {"max_batch_tokens": max_batch_tokens, "chunked_prefill_size": chunked_prefill_size}
+    bad = {k: v for k, v in limits.items() if v is not None and not (_is_int(v) and v >= 1)}
+    if bad:
+        raise ValueError(f"token budgets must be None or ints >= 1, got {bad}")
     prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
     granularity = getattr(prefix_cache, "page_size", 1)
     policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing, page_size=granularity)
@@ -389,7 +444,8 @@ def simulate(
     if slots is None:  # room for every token of every request: nothing is ever evicted
         slots = sum(len(r.prompt) + r.output_len for r in requests) + granularity * (len(requests) + 1)
     allocator = SlotAllocator(slots, page_size=granularity)
-    sim = _Simulation(requests, prefix_cache, allocator, policy, max_running, cost_model or CostModel())
+    budget, chunk = (math.inf if v is None else int(v) for v in limits.values())
+    sim = _Simulation(requests, prefix_cache, allocator, policy, max_running, cost_model or CostModel(), budget, chunk)
     result = sim.run()
     prefix_cache.check_invariants()
     allocator.check_invariants()
@@ -401,7 +457,7 @@ def simulate(
         "kv_slots": allocator.capacity, "allocator_page": granularity,  # the hash cache allocates whole blocks
         "page_size": page_size, "block_size": block_size, "eviction_policy": eviction_policy,
         "schedule_policy": schedule_policy, "max_running": max_running, "seed": seed,
-        "in_batch_sharing": in_batch_sharing, "cost_model": asdict(cost_model or CostModel()),
+        "in_batch_sharing": in_batch_sharing, **limits, "cost_model": asdict(cost_model or CostModel()),
         "requests": len(requests),
     }
     return result
@@ -411,15 +467,22 @@ def _numbered(requests: list[Request]) -> list[Request]:
     """The requests with ``rid`` = rank in arrival order (copies, only where that is not so already).
 
     Workload generators number their requests; hand-made lists need not, and
-    their ``parent`` fields then name positions in the given list.
+    their ``parent`` and ``after`` fields then name positions in the given list.
+    A link to no request of the list, or to itself, is a ``ValueError``.
     """
+    for i, r in enumerate(requests):
+        links = (*(() if r.parent is None else (r.parent,)), *r.after)
+        if any(not 0 <= d < len(requests) or d == i for d in links):
+            raise ValueError(f"request {i} links to {links}: parent / after must name other requests "
+                             f"of the list (0..{len(requests) - 1})")
     if all(r.rid == i for i, r in enumerate(requests)) and all(
             a.arrival <= b.arrival for a, b in zip(requests, requests[1:], strict=False)):
         return requests
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     rank = {old: new for new, old in enumerate(order)}
     return [replace(requests[old], rid=new, parent=None if requests[old].parent is None
-                    else rank[requests[old].parent]) for new, old in enumerate(order)]
+                    else rank[requests[old].parent], after=tuple(rank[d] for d in requests[old].after))
+            for new, old in enumerate(order)]
 
 
 def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:

@@ -8,6 +8,7 @@ import pytest
 
 from experiments import multiturn
 from experiments.common import read_rows
+from radixkv.sim import CostModel
 
 TINY = ["--model", "tiny-random", "--dtype", "float32", "--sessions", "2", "--turns", "3", "--system-tokens", "40",
         "--user-tokens", "12", "--max-new-tokens", "4", "--kv-cache-tokens", "1024"]
@@ -219,3 +220,16 @@ def test_bad_input_to_an_experiment_is_one_line_and_exit_status_2(capsys, tmp_pa
     with pytest.raises(ValueError, match=r"trace.jsonl:1: record has no output_length, hash_ids"):
         mooncake.main(["--trace", str(trace), *out])
     assert not list(tmp_path.glob("x*")) and not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("cache", ["none", "hash", "radix"])
+def test_simulator_schedules_the_steps_the_engine_runs(cache):
+    """Chunked prefill under a token budget, decodes first, turn by turn: the same steps, token for token."""
+    args = multiturn.parse_args([*TINY, "--sessions", "3", "--user-tokens", "20", "--no-warmup",
+                                 "--max-batch-tokens", "40", "--chunked-prefill-size", "24"])
+    _, _, llm = multiturn.run_cache(cache, args, record_steps=True)
+    engine = [(r.prefill_tokens, r.attention_pairs, r.decodes) for r in llm.step_log]
+    res = multiturn.simulate_workload(cache, args, CostModel())
+    simulated = [(tokens, pairs, decodes) for tokens, pairs, decodes, repeats in res.steps for _ in range(repeats)]
+    assert any(0 < tokens < 40 and decodes for tokens, _, decodes in engine)  # chunks and decodes share steps
+    assert simulated == engine

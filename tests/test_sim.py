@@ -161,6 +161,39 @@ def test_turns_wait_for_their_parent():
             assert rows[r.rid]["ttft"] > 0
 
 
+def test_after_holds_a_request_until_every_named_one_has_finished():
+    """A barrier: session 0's second turn is sent when session 1's longer turn ends, not when its own does."""
+    first = req([1, 2, 3], [7], 0)
+    other = req([4, 5, 6], [7, 8, 9, 10, 11], 1)
+    second = Request(arrival=0.0, session=0, prompt=[1, 2, 3, 5], output_len=1, parent=0, rid=2, after=(1,))
+    rows = {r["rid"]: r for r in simulate([first, other, second]).per_request}
+    assert rows[0]["finish"] < rows[1]["finish"] == pytest.approx(rows[2]["ready"])
+
+
+def test_links_to_no_request_or_in_a_cycle_are_clear_errors():
+    a, b = req([1, 2], [3], 0, parent=1), req([1, 4], [3], 1, parent=0)
+    with pytest.raises(ValueError, match="never sent"):
+        simulate([a, b])
+    for links in (dict(parent=5), dict(after=(0,)), dict(after=(-1,))):
+        with pytest.raises(ValueError, match="must name other requests"):
+            simulate([Request(arrival=0.0, session=0, prompt=[1, 2], output_len=1, rid=0, **links)])
+    with pytest.raises(ValueError, match="request ids"):
+        Request(arrival=0.0, session=0, prompt=[1], output_len=1, after=("x",))
+
+
+def test_chunked_prefill_under_a_token_budget_schedules_as_the_engine():
+    """Running requests first (a decode each, or their next chunk), then admissions, under both budgets."""
+    reqs = [req(list(range(100 * i, 100 * i + 10)), [7, 8, 9], i) for i in range(3)]
+    cost = CostModel(prefill_per_token=1.0, attention_per_pair=0.0, decode_step=0.0, decode_per_seq=0.0,
+                     step_overhead=1.0)
+    res = simulate(reqs, cache="none", max_batch_tokens=16, chunked_prefill_size=8, cost_model=cost)
+    assert res.steps == [(16, 72.0, 0, 1), (12, 74.0, 0, 1), (2, 19.0, 2, 1), (0, 0.0, 3, 1), (0, 0.0, 1, 1)]
+    assert [r["ttft"] for r in res.per_request] == [30.0, 30.0, 33.0]
+    assert res.config["max_batch_tokens"] == 16 and res.config["chunked_prefill_size"] == 8
+    whole = simulate(reqs, cache="none", cost_model=cost)  # no budgets: every prompt whole in one step
+    assert whole.steps[0] == (30, 3 * 10 * 5.5, 0, 1) and [r["ttft"] for r in whole.per_request] == [31.0] * 3
+
+
 def test_cost_model_terms():
     cm = CostModel(prefill_per_token=1.0, attention_per_pair=0.5, decode_step=2.0, decode_per_seq=0.25)
     assert cm.prefill_time(2, 3) == pytest.approx(2 + 0.5 * 2 * (3 + 1.5))
@@ -182,6 +215,9 @@ def test_simulate_rejects_bad_arguments():
         simulate(reqs, schedule_policy="shortest-first")
     with pytest.raises(ValueError):
         simulate(reqs, eviction_policy="clock")
+    for budgets in (dict(max_batch_tokens=0), dict(chunked_prefill_size=1.5), dict(max_batch_tokens=True)):
+        with pytest.raises(ValueError, match="token budgets"):
+            simulate(reqs, **budgets)
 
 
 # ---------------------------------------------------------------- policies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import numpy as np
 
@@ -27,6 +28,11 @@ class Request:
         think_time: seconds between the parent finishing and this one being sent.
         namespace: cache namespace (adapter id, cache salt).
         rid: index of the request in its workload list.
+        meta: free-form labels carried into the simulator's per-request rows
+            (e.g. ``{"turn": 2}``).
+        after: ``rid``s of other requests that must also have finished before
+            this one is sent: a barrier, as when a client sends the next turn
+            of every session together (the engine's ``generate`` per turn).
     """
 
     arrival: float
@@ -39,8 +45,13 @@ class Request:
     namespace: Hashable = None
     rid: int = -1
     meta: dict = field(default_factory=dict)
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.after = tuple(self.after)
+        if not all(isinstance(d, Integral) and not isinstance(d, bool) for d in self.after):
+            raise ValueError(f"after must hold request ids (ints), got {self.after!r}")
+        self.after = tuple(int(d) for d in self.after)
         self.prompt = np.asarray(self.prompt, dtype=np.int64).reshape(-1)
         if self.output is not None:
             self.output = np.asarray(self.output, dtype=np.int64).reshape(-1)
@@ -88,7 +99,7 @@ class TokenSource:
 
 
 def number(requests: list[Request]) -> list[Request]:
-    """Sort by arrival (stable) and set each request's ``rid`` to its index; parents are remapped."""
+    """Sort by arrival (stable) and set each request's ``rid`` to its index; ``parent`` and ``after`` are remapped."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     new_id = {old: new for new, old in enumerate(order)}
     out = [requests[i] for i in order]
@@ -96,4 +107,5 @@ def number(requests: list[Request]) -> list[Request]:
         req.rid = new
         if req.parent is not None:
             req.parent = new_id[req.parent]
+        req.after = tuple(new_id[d] for d in req.after)
     return out
