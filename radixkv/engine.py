@@ -276,7 +276,9 @@ class LLM:
             if self._reserve(s, n, batch):
                 batch.append((s, n))
                 budget -= n
-        for s in self._admission_order():
+        # Ranked only when something can be admitted: ranking costs a match per waiting request (and a
+        # draw of the random policy, which the simulator then reproduces step for step).
+        for s in self._admission_order() if budget > 0 and len(self.running) < cfg.max_running else ():
             if budget <= 0 or len(self.running) >= cfg.max_running:
                 break
             m = match_for_prefill(self.cache, s.prompt, s.namespace)

@@ -14,8 +14,11 @@ nothing but decodes are taken in one stride. Unlike the engine, a request
 reserves its whole KV (uncached prompt + output - 1 tokens, the last
 generated token's KV is never computed) when admitted, so nothing is ever
 preempted; on finishing it inserts prompt + output[:-1] into the cache and
-unlocks its prefix. A request is sent at its arrival, or ``think_time`` after
-its ``parent`` and every request of its ``after`` have finished.
+unlocks its prefix. So with KV to spare the simulator's steps are the
+engine's, token for token; under memory pressure it evicts earlier than the
+engine (a whole request's need at admission, not chunk by chunk), and hits
+can differ. A request is sent at its arrival, or ``think_time`` after its
+``parent`` and every request of its ``after`` have finished.
 
 ``upper_bound`` gives the best hit rate any capacity and order could reach;
 ``eviction_policy="belady"`` gives the clairvoyant eviction reference at a
@@ -350,21 +353,24 @@ class _Simulation:
         budget = self.max_batch_tokens
         chunks: list[tuple[_Running, int]] = []
         decoding: list[_Running] = []
-        for s in self.running:  # the engine's order: running requests first, in admission order
-            if s.prefilling:
-                n = int(min(len(s.req.prompt) - s.computed, self.chunk, budget))
-                if n >= 1:
-                    chunks.append((s, n))
-                    budget -= n
-            elif budget >= 1:
-                decoding.append(s)
-                budget -= 1
+        if budget == math.inf and self.chunk == math.inf:  # prompts are prefilled whole: every running one decodes
+            decoding = list(self.running)
+        else:
+            for s in self.running:  # the engine's order: running requests first, in admission order
+                if s.prefilling:
+                    n = int(min(len(s.req.prompt) - s.computed, self.chunk, budget))
+                    if n >= 1:
+                        chunks.append((s, n))
+                        budget -= n
+                elif budget >= 1:
+                    decoding.append(s)
+                    budget -= 1
         admitted = self._admit(budget)
         chunks += admitted
         if not chunks and not decoding:
             raise RuntimeError("simulator stalled: a step with nothing to run")  # budget >= 1 and an empty pool admits
         tokens = sum(n for _, n in chunks)
-        pairs = sum(n * (s.computed + (n + 1) / 2) for s, n in chunks)
+        pairs = float(sum(n * (s.computed + (n + 1) / 2) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
         strides = 1
         if not chunks and len(decoding) == len(self.running):  # decodes only, until one finishes or arrives
@@ -425,7 +431,8 @@ def simulate(
             (the allocator uses the cache's granularity).
         eviction_policy: as the caches take it, or ``belady`` (radix only).
         schedule_policy: ``fcfs``, ``lpm``, ``dfs-weight`` or ``random`` (seeded by ``seed``).
-        in_batch_sharing: a token threshold enabling in-batch prefix sharing.
+        in_batch_sharing: a token threshold enabling in-batch prefix sharing (not
+            applied with ``cache="none"``, as in the engine; the config records None then).
         max_batch_tokens / chunked_prefill_size: the engine's token budget per
             step and per prefill chunk (``EngineConfig``); None: unlimited, so
             every admitted prompt is prefilled whole in one step.
@@ -439,6 +446,8 @@ def simulate(
         raise ValueError(f"token budgets must be None or ints >= 1, got {bad}")
     prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
     granularity = getattr(prefix_cache, "page_size", 1)
+    if isinstance(prefix_cache, NoPrefixCache):
+        in_batch_sharing = None  # as in the engine: holding requests back for a cache that never hits only delays them
     policy = make_policy(schedule_policy, seed=seed, in_batch_sharing=in_batch_sharing, page_size=granularity)
     slots = capacity_tokens
     if slots is None:  # room for every token of every request: nothing is ever evicted

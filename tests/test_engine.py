@@ -434,3 +434,35 @@ def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
     assert llm.cache.protected_size == 0
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in engine().generate(
         PROMPTS[:2], GREEDY)]
+
+
+@pytest.mark.parametrize("cache,page,policy,running,budget,chunk", [
+    ("radix", 1, "lpm", 64, 40, 16),
+    ("radix", 4, "random", 2, 4096, 1024),
+    ("radix", 1, "dfs-weight", 64, 3, 2),  # fewer tokens per step than running decodes
+    ("hash", 8, "fcfs", 3, 32, 8),
+    ("none", 1, "lpm", 64, 40, 16),  # in-batch sharing is off for none, in both
+])
+def test_simulator_replays_the_engines_steps(cache, page, policy, running, budget, chunk):
+    """With KV to spare, ``simulate`` with the engine's settings schedules the engine's steps, token for token."""
+    from radixkv.sim import simulate
+    from radixkv.workloads import Request
+
+    base = list(range(100, 130))
+    prompts = [base + list(range(140 + 60 * i, 140 + 60 * i + n)) for i, n in enumerate((5, 30, 13, 60, 2, 21))]
+    prompts += [prompts[1], prompts[2] + [7]]  # a duplicate, and a cached prompt plus one token
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (3, 7, 2, 5, 9, 4, 6, 1)]
+    llm = LLM("tiny-random", prefix_cache=cache, page_size=page, block_size=page, kv_cache_tokens=4096,
+              schedule_policy=policy, max_running=running, max_batch_tokens=budget, chunked_prefill_size=chunk,
+              record_steps=True)
+    outs = llm.generate(prompts, params)
+    requests = [Request(arrival=0.0, session=i, prompt=p, output_len=len(o.token_ids), output=o.token_ids, rid=i)
+                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+    cfg = llm.config
+    res = simulate(requests, cache, capacity_tokens=cfg.kv_cache_tokens, page_size=page, block_size=page,
+                   schedule_policy=policy, max_running=running, seed=cfg.seed, in_batch_sharing=cfg.in_batch_sharing,
+                   max_batch_tokens=budget, chunked_prefill_size=chunk)
+    steps = [(r.prefill_tokens, r.attention_pairs, r.decodes) for r in llm.step_log]
+    assert [(t, p, d) for t, p, d, repeats in res.steps for _ in range(repeats)] == steps
+    assert [r["hit"] for r in res.per_request] == [o.num_cached_tokens for o in outs]
+    assert llm.stats()["preemptions"] == 0

@@ -177,8 +177,11 @@ def test_links_to_no_request_or_in_a_cycle_are_clear_errors():
     for links in (dict(parent=5), dict(after=(0,)), dict(after=(-1,))):
         with pytest.raises(ValueError, match="must name other requests"):
             simulate([Request(arrival=0.0, session=0, prompt=[1, 2], output_len=1, rid=0, **links)])
-    with pytest.raises(ValueError, match="request ids"):
-        Request(arrival=0.0, session=0, prompt=[1], output_len=1, after=("x",))
+    for after in (("x",), 5, (True,)):
+        with pytest.raises(ValueError, match="request ids"):
+            Request(arrival=0.0, session=0, prompt=[1], output_len=1, after=after)
+    with pytest.raises(ValueError, match="not positions"):
+        workloads.request.number([Request(arrival=0.0, session=0, prompt=[1], output_len=1, after=(3,))])
 
 
 def test_chunked_prefill_under_a_token_budget_schedules_as_the_engine():

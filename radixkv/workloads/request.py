@@ -15,8 +15,8 @@ class Request:
 
     Attributes:
         arrival: seconds from the start of the workload when it is sent (for a
-            request with a ``parent``, the earliest time: it is sent
-            ``think_time`` after its parent finishes, if that is later).
+            request with a ``parent`` or ``after``, the earliest time: it is
+            sent ``think_time`` after the last of those finishes, if that is later).
         session: conversation / group id (for reporting and session affinity).
         prompt: int64 token ids, ``[prompt_len]``.
         output_len: tokens to generate.
@@ -25,7 +25,8 @@ class Request:
             where no later prompt depends on them.
         parent: ``rid`` of the request whose prompt + output this one extends
             (the previous turn of a chat, the parent thought of a tree).
-        think_time: seconds between the parent finishing and this one being sent.
+        think_time: seconds between the parent (and every request of ``after``)
+            finishing and this one being sent.
         namespace: cache namespace (adapter id, cache salt).
         rid: index of the request in its workload list.
         meta: free-form labels carried into the simulator's per-request rows
@@ -48,7 +49,10 @@ class Request:
     after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        self.after = tuple(self.after)
+        try:
+            self.after = tuple(self.after)
+        except TypeError:
+            raise ValueError(f"after must be a tuple of request ids, got {self.after!r}") from None
         if not all(isinstance(d, Integral) and not isinstance(d, bool) for d in self.after):
             raise ValueError(f"after must hold request ids (ints), got {self.after!r}")
         self.after = tuple(int(d) for d in self.after)
@@ -69,7 +73,8 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request(rid={self.rid}, arrival={self.arrival:.3f}, session={self.session!r}, "
-            f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent})"
+            f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent}"
+            + (f", after={self.after})" if self.after else ")")
         )
 
 
@@ -99,9 +104,15 @@ class TokenSource:
 
 
 def number(requests: list[Request]) -> list[Request]:
-    """Sort by arrival (stable) and set each request's ``rid`` to its index; ``parent`` and ``after`` are remapped."""
+    """Sort by arrival (stable) and set each request's ``rid`` to its index; ``parent`` and ``after`` are remapped.
+
+    They name positions in ``requests``; one that names no position is a ``ValueError``.
+    """
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     new_id = {old: new for new, old in enumerate(order)}
+    for i, r in enumerate(requests):
+        if any(d not in new_id for d in (*(() if r.parent is None else (r.parent,)), *r.after)):
+            raise ValueError(f"request {i} links to parent {r.parent}, after {r.after}: not positions of the list")
     out = [requests[i] for i in order]
     for new, req in enumerate(out):
         req.rid = new
