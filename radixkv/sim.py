@@ -475,22 +475,27 @@ def simulate(
 def _numbered(requests: list[Request]) -> list[Request]:
     """The requests with ``rid`` = rank in arrival order (copies, only where that is not so already).
 
-    Workload generators number their requests; hand-made lists need not, and
-    their ``parent`` and ``after`` fields then name positions in the given list.
+    ``parent`` and ``after`` name requests by ``rid`` where every request has
+    a distinct one (a workload's, or part of one, e.g. filtered by session);
+    otherwise (hand-made lists, rid -1) they name positions in the given list.
     A link to no request of the list, or to itself, is a ``ValueError``.
     """
+    rids = [r.rid for r in requests]
+    by_rid = all(rid >= 0 for rid in rids) and len(set(rids)) == len(rids)
+    position = {rid: i for i, rid in enumerate(rids)} if by_rid else {i: i for i in range(len(requests))}
     for i, r in enumerate(requests):
         links = (*(() if r.parent is None else (r.parent,)), *r.after)
-        if any(not 0 <= d < len(requests) or d == i for d in links):
-            raise ValueError(f"request {i} links to {links}: parent / after must name other requests "
-                             f"of the list (0..{len(requests) - 1})")
-    if all(r.rid == i for i, r in enumerate(requests)) and all(
+        if any(position.get(d, i) == i for d in links):
+            raise ValueError(f"request {i} links to {links}: parent / after must name other requests of the list "
+                             f"(by {'rid' if by_rid else 'position'})")
+    if all(rid == i for i, rid in enumerate(rids)) and all(
             a.arrival <= b.arrival for a, b in zip(requests, requests[1:], strict=False)):
         return requests
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     rank = {old: new for new, old in enumerate(order)}
+    new_id = {d: rank[i] for d, i in position.items()}
     return [replace(requests[old], rid=new, parent=None if requests[old].parent is None
-                    else rank[requests[old].parent], after=tuple(rank[d] for d in requests[old].after))
+                    else new_id[requests[old].parent], after=tuple(new_id[d] for d in requests[old].after))
             for new, old in enumerate(order)]
 
 

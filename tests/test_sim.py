@@ -170,6 +170,21 @@ def test_after_holds_a_request_until_every_named_one_has_finished():
     assert rows[0]["finish"] < rows[1]["finish"] == pytest.approx(rows[2]["ready"])
 
 
+def test_part_of_a_workload_keeps_its_links_by_rid():
+    """Filtered by session, rids are no longer positions: parent links still name the right requests."""
+    reqs = workloads.make("multi_turn", seed=7, think_time=1.0, **SMALL["multi_turn"])
+    part = [r for r in reqs if r.session in (1, 3)]
+    assert any(r.rid != i for i, r in enumerate(part))
+    rows = simulate(part).per_request
+    by_prompt = {r.prompt.tobytes(): row for r, row in zip(sorted(part, key=lambda r: r.arrival), rows, strict=True)}
+    for r in part:
+        if r.parent is not None:
+            parent = reqs[r.parent]
+            assert by_prompt[r.prompt.tobytes()]["ready"] >= by_prompt[parent.prompt.tobytes()]["finish"] + 1.0 - 1e-9
+    with pytest.raises(ValueError, match="by rid"):
+        simulate([r for r in reqs if r.session == 1 and r.parent is not None])  # first turns left out
+
+
 def test_links_to_no_request_or_in_a_cycle_are_clear_errors():
     a, b = req([1, 2], [3], 0, parent=1), req([1, 4], [3], 1, parent=0)
     with pytest.raises(ValueError, match="never sent"):
