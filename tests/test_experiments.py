@@ -107,6 +107,20 @@ def test_simulate_grid_takes_belady_under_each_rows_schedule(tmp_path):
         assert r["upper_bound"] == upper_bound(requests, page_size=granularity)
 
 
+def test_simulate_grid_takes_the_engines_token_budgets(tmp_path):
+    from experiments import simulate as sim_experiment
+
+    flags = ["--workload", "multi_turn", "--scale", "0.25", "--caches", "none", "--capacity-fracs", "0",
+             "--out", str(tmp_path / "b")]
+    whole = sim_experiment.main(flags)[0]
+    chunked = sim_experiment.main([*flags, "--max-batch-tokens", "256", "--chunked-prefill-size", "64"])[0]
+    assert (chunked["max_batch_tokens"], chunked["chunked_prefill_size"]) == (256, 64)
+    assert whole["max_batch_tokens"] is None and chunked["hit_rate"] == whole["hit_rate"] == 0
+    assert chunked["makespan"] != whole["makespan"]
+    with pytest.raises(SystemExit):
+        sim_experiment.main([*flags, "--max-batch-tokens", "0"])
+
+
 def test_mooncake_with_nothing_to_reuse_does_not_divide_by_zero(tmp_path):
     from experiments import mooncake
     from experiments.common import DEFAULT_TRACE
