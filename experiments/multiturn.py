@@ -139,7 +139,7 @@ def simulate_workload(cache: str, args, cost: CostModel) -> SimResult:
     return simulate(sim_requests(args), cache, capacity_tokens=args.kv_cache_tokens, page_size=args.page_size,
                     block_size=args.block_size, eviction_policy=args.eviction_policy,
                     schedule_policy=args.schedule_policy, cost_model=cost, seed=args.seed,
-                    in_batch_sharing=args.in_batch_sharing if cache != "none" else None,
+                    in_batch_sharing=args.in_batch_sharing or None,  # off for "none" in simulate, as in the engine
                     max_batch_tokens=args.max_batch_tokens, chunked_prefill_size=args.chunked_prefill_size)
 
 

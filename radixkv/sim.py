@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.attention.base import causal_pairs
 from radixkv.cache.base import PrefixCache, match_for_prefill
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.hash_block import HashBlockCache
@@ -89,8 +90,7 @@ class CostModel:
         return cls(**values)
 
     def prefill_time(self, new_tokens: int, prefix_len: int) -> float:
-        pairs = new_tokens * (prefix_len + (new_tokens + 1) / 2)
-        return self.prefill_per_token * new_tokens + self.attention_per_pair * pairs
+        return self.prefill_per_token * new_tokens + self.attention_per_pair * causal_pairs(new_tokens, prefix_len)
 
     def decode_time(self, batch: int) -> float:
         return self.decode_step + self.decode_per_seq * batch if batch else 0.0
@@ -370,7 +370,7 @@ class _Simulation:
         if not chunks and not decoding:
             raise RuntimeError("simulator stalled: a step with nothing to run")  # budget >= 1 and an empty pool admits
         tokens = sum(n for _, n in chunks)
-        pairs = float(sum(n * (s.computed + (n + 1) / 2) for s, n in chunks))
+        pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
         strides = 1
         if not chunks and len(decoding) == len(self.running):  # decodes only, until one finishes or arrives
@@ -400,7 +400,8 @@ class _Simulation:
             if self.waiting or self.running:
                 self.step()
         if len(self.result.per_request) < len(self.requests):
-            stuck = sorted(set(self.blockers) - {row["rid"] for row in self.result.per_request})
+            served = {row["rid"] for row in self.result.per_request}
+            stuck = [r.rid for r in self.requests if r.rid not in served]
             raise ValueError(f"requests {stuck[:5]} were never sent: their parent / after links form a cycle")
         self.result.makespan = self.now
         self.result.per_request.sort(key=lambda row: row["rid"])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixkv.attention.base import AttentionBackend, AttentionBatch
+from radixkv.attention.base import AttentionBackend, AttentionBatch, causal_pairs
 from radixkv.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
 
@@ -46,7 +46,7 @@ class StepRecord:
         """``prefill[r]``: row r computes prompt tokens (a one-token chunk after a prefix looks like a decode)."""
         chunks = [(p, n) for p, n, f in zip(batch.prefix_lens, batch.new_lens, prefill, strict=True) if f]
         return cls(prefill_tokens=sum(n for _, n in chunks),
-                   attention_pairs=float(sum(n * (p + (n + 1) / 2) for p, n in chunks)),
+                   attention_pairs=float(sum(causal_pairs(n, p) for p, n in chunks)),
                    decodes=len(batch.new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds)
 
 
