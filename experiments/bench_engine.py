@@ -138,7 +138,9 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     A prefill token costs at least its linear layers' FLOPs at the GEMM rate
     (attention and the LM head left out); a decode step with ``context``
     tokens per request at least one read of every linear weight (LM head
-    included) and of its K/V at the read bandwidth (compute left out).
+    included; at batch 1, layers with exact 4-bit codes at their coded size,
+    as ``coded_linear`` reads them) and of its K/V at the read bandwidth
+    (compute left out).
     ``end_to_end_s`` (given ``prefill_tokens``) adds ``decode_steps`` batch-8
     steps to those prefill tokens: the main job's decode contexts average
     about ``context``.
@@ -151,11 +153,14 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
     bandwidth = rates["read_gb_s"] * 1e9
 
-    def decode_ms(kv_tokens: int) -> float:
-        return 1e3 * (params * size + kv_per_token * kv_tokens) / bandwidth
+    saved_b1 = sum(m.in_features * m.out_features * size - m.coded.nbytes for m in linears
+                   if getattr(m, "coded", None) is not None and m.coded_rows >= 1)
+
+    def decode_ms(kv_tokens: int, saved: int = 0) -> float:
+        return 1e3 * (params * size - saved + kv_per_token * kv_tokens) / bandwidth
 
     out = {"prefill_ms_per_token": 1e3 * 2 * (params - head) / (rates["gemm_gflop_s"] * 1e9),
-           "decode_ms_b1": decode_ms(context), "decode_ms_b8": decode_ms(8 * context),
+           "decode_ms_b1": decode_ms(context, saved_b1), "decode_ms_b8": decode_ms(8 * context),
            "decode_ms_b8_shared500": decode_ms(min(500, context) + 8 * max(0, context - 500))}
     if prefill_tokens is not None:
         out["end_to_end_s"] = (prefill_tokens * out["prefill_ms_per_token"] + decode_steps * out["decode_ms_b8"]) / 1e3
@@ -214,9 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     hf = loaded.hf_model  # before ours_micro packs our copy of the weights
     rates = machine_rates(loaded.model, args.repeats)
-    floor = floors(loaded.model, rates, args.context, summary["radix"]["prefill_tokens"],
-                   mt.turns * (mt.max_new_tokens - 1))
     micro = {"ours": ours_micro(loaded.model, args.context, args.repeats, rng)}
+    floor = floors(loaded.model, rates, args.context, summary["radix"]["prefill_tokens"],  # packed: codes known
+                   mt.turns * (mt.max_new_tokens - 1))
     if hf is not None:
         micro["transformers"] = transformers_micro(hf.to(getattr(torch, args.dtype)), args.context, args.repeats, rng)
     micro["vllm_cpu_peer"] = {k: VLLM[k] for k in ("decode_ms_b1", "decode_ms_b8")} | {

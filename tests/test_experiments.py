@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -173,6 +174,12 @@ def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
     assert got["end_to_end_s"] == pytest.approx((100 * got["prefill_ms_per_token"] + 3 * got["decode_ms_b8"]) / 1e3)
     short = floors(model, rates, context=100)  # shorter than the shared prefix: all of it is shared
     assert short["decode_ms_b8_shared500"] == pytest.approx(short["decode_ms_b1"]) and "end_to_end_s" not in short
+    coded = model.model.layers[0].mlp.down_proj  # as if it had 4-bit codes of 1,000 bytes for every row count
+    coded.coded, coded.coded_rows = types.SimpleNamespace(nbytes=1000), 2
+    saved = 4 * coded.in_features * coded.out_features - 1000
+    again = floors(model, rates, context=600)
+    assert again["decode_ms_b1"] == pytest.approx(got["decode_ms_b1"] - saved / 1e6)
+    assert again["decode_ms_b8"] == pytest.approx(got["decode_ms_b8"])  # batch 8 reads the 16-bit tiles
     measured = machine_rates(model, repeats=1, rows=16)
     assert measured["read_gb_s"] > 0 and measured["gemm_gflop_s"] > 0 and measured["gemm_dtype"] == "float32"
 

@@ -6,7 +6,9 @@ attention itself; at decode batch sizes, a Llama layer's small elementwise
 ops cost more in dispatch than in arithmetic. ``cpu_kernels.cpp`` has
 ``paged_decode`` and ``paged_prefill`` (gather-free attention) and
 ``rms_norm``, ``rope_store`` and ``silu_mul`` (one call each), and
-``small_linear`` (decode-sized linear layers straight from 16-bit weights);
+``small_linear`` (decode-sized linear layers straight from 16-bit weights)
+and ``coded_linear`` (the same outputs from exact 4-bit codes of those
+weights, ``radixkv.model.coded``);
 its comments document shapes and dtypes. Each has a path per instruction
 set: AVX-512 BF16 (bfloat16 dot products), AVX2 with FMA and F16C (float32
 arithmetic on any storage dtype, for CPUs such as Zen 3 that have no 16-bit

@@ -856,6 +856,19 @@ inline void store8(c10::BFloat16* p, __m256 x) {  // round to nearest even, as c
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
 }
 
+// y rows m = bias + acc[m][0] + ... + acc[m][U - 1], in that order, rounded once to T.
+template <typename T, int MB, int U>
+inline void store_sums(const __m256 (&acc)[MB][U], const float* bias, T* y, int64_t ldy) {
+  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  RADIXKV_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    __m256 sum = b;
+    RADIXKV_UNROLL
+    for (int u = 0; u < U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
+    store8(y + m * ldy, sum);
+  }
+}
+
 // How far ahead in a tile's stream linear_tile prefetches the weights (into L2), in bytes. The hardware
 // prefetchers alone left the FMA loop waiting on memory: SmolLM2's 30 layers of linears at 8 rows, weights
 // from DRAM, took 19.3 ms without it and 17.6 ms with it (1,024-4,096 bytes ahead all within noise).
@@ -892,43 +905,131 @@ inline void linear_tile(const float* x, const T* tile, int64_t k, const float* b
     RADIXKV_UNROLL
     for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * MB + m), w, acc[m][0]);
   }
-  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  RADIXKV_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    __m256 sum = b;
-    RADIXKV_UNROLL
-    for (int u = 0; u < U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
-    store8(y + m * ldy, sum);
+  store_sums<T, MB, U>(acc, bias, y, ldy);
+}
+
+// f(m0, std::integral_constant<int, MB>) for each block of at most 8 of rows rows starting at row m0, so the
+// tile kernels get their row count as a template argument.
+template <typename F>
+inline void for_row_blocks(int64_t rows, F&& f) {
+  for (int64_t m0 = 0; m0 < rows; m0 += 8) {
+    switch (std::min<int64_t>(8, rows - m0)) {
+      case 8: f(m0, std::integral_constant<int, 8>{}); break;
+      case 7: f(m0, std::integral_constant<int, 7>{}); break;
+      case 6: f(m0, std::integral_constant<int, 6>{}); break;
+      case 5: f(m0, std::integral_constant<int, 5>{}); break;
+      case 4: f(m0, std::integral_constant<int, 4>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      default: f(m0, std::integral_constant<int, 1>{}); break;
+    }
   }
 }
 
+// x [rows, k] in float32, each block of 8 rows interleaved (linear_tile's layout; the last block may be shorter).
 template <typename T>
-void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t rows, int64_t k, int64_t n) {
-  // xf: x in float32, each block of 8 rows interleaved (linear_tile's layout; the last block may be shorter)
+std::vector<float> interleave_rows(const T* x, int64_t rows, int64_t k) {
   std::vector<float> xf(rows * k);
   for (int64_t m0 = 0; m0 < rows; m0 += 8) {
     const int64_t mb = std::min<int64_t>(8, rows - m0);
     for (int64_t m = 0; m < mb; ++m)
       for (int64_t i = 0; i < k; ++i) xf[m0 * k + i * mb + m] = static_cast<float>(x[(m0 + m) * k + i]);
   }
+  return xf;
+}
+
+template <typename T>
+void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t rows, int64_t k, int64_t n) {
+  const std::vector<float> xf = interleave_rows(x, rows, k);
   at::parallel_for(0, n / 8, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* tile = wt + t * k * 8;
       const float* b = bias != nullptr ? bias + t * 8 : nullptr;
-      for (int64_t m0 = 0; m0 < rows; m0 += 8) {
-        const float* xm = xf.data() + m0 * k;
-        T* ym = y + m0 * n + t * 8;
-        switch (std::min<int64_t>(8, rows - m0)) {
-          case 8: linear_tile<T, 8>(xm, tile, k, b, ym, n); break;
-          case 7: linear_tile<T, 7>(xm, tile, k, b, ym, n); break;
-          case 6: linear_tile<T, 6>(xm, tile, k, b, ym, n); break;
-          case 5: linear_tile<T, 5>(xm, tile, k, b, ym, n); break;
-          case 4: linear_tile<T, 4>(xm, tile, k, b, ym, n); break;
-          case 3: linear_tile<T, 3>(xm, tile, k, b, ym, n); break;
-          case 2: linear_tile<T, 2>(xm, tile, k, b, ym, n); break;
-          default: linear_tile<T, 1>(xm, tile, k, b, ym, n); break;
-        }
+      for_row_blocks(rows, [&](int64_t m0, auto mb) {
+        linear_tile<T, decltype(mb)::value>(xf.data() + m0 * k, tile, k, b, y + m0 * n + t * 8, n);
+      });
+    }
+  });
+}
+
+// ---- decode-sized linear layers from 4-bit affine codes (weights dequantized from GGUF Q4_1) ---------
+// A GGUF Q4_1 weight is d * q + m for a 4-bit code q and a float16 scale d and offset m per 32 inputs of
+// an output row; the loader computes that in float32 and rounds it to the model's dtype T. So 0.625
+// bytes describe each 16-bit weight exactly (``radixkv.model.coded`` checks every one when it builds the
+// codes), and a decode step at batch 1, which streams every weight once and waits on memory, reads a
+// third of the bytes. coded_tile rebuilds each weight in a register the way the loader built it (d * q
+// is exact in float32, 11 by 4 significant bits, so a contracted multiply-add cannot change the sum) and
+// multiplies it exactly as linear_tile multiplies the stored T, in the same order: the outputs are
+// small_linear's, bit for bit. Rebuilding costs about six vector operations per eight weights, so at
+// more than a couple of rows, where linear_tile runs out of FMA throughput rather than memory, the
+// 16-bit tiles are faster.
+//
+// Layout for one tile of 8 output rows: codes [k / 2, 8] uint8 (byte [p, c] holds row c's codes for
+// inputs 2p, low nibble, and 2p + 1, high nibble); scale, offset [k / 32, 8] float16 (row c's d and m
+// for inputs 32b .. 32b + 31).
+// v rounded to T's precision (to nearest, ties to even), kept in float32. For bfloat16: with e = 2^exponent(v)
+// and c = 1.5 * 2^16 * e, v + c lies in c's binade, whose spacing 2^-7 e is bfloat16's at v, so the add
+// rounds v as bfloat16 would and subtracting c is exact (e * 1.5 * 2^16 is exact, so both fused forms
+// round once). Three operations where the integer round-to-nearest-even takes five; this CPU ran out of
+// vector ALU throughput, not memory, in coded_tile. Finite, normal v only: Q4Rows verifies every weight.
+inline __m256 as_stored(__m256 v, const c10::BFloat16*) {
+  const __m256 e = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)));
+  const __m256 k = _mm256_set1_ps(98304.f);  // 1.5 * 2^16
+  return _mm256_fnmadd_ps(e, k, _mm256_fmadd_ps(e, k, v));
+}
+inline __m256 as_stored(__m256 v, const c10::Half*) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// How far ahead coded_tile prefetches its codes (into L2), in bytes.
+constexpr int64_t kCodePrefetch = 1024;
+
+template <typename T, int MB>
+inline void coded_tile(const float* x, const uint8_t* codes, const c10::Half* scale, const c10::Half* offset,
+                       int64_t k, const float* bias, T* y, int64_t ldy) {
+  constexpr int U = MB >= 8 ? 1 : (MB >= 4 ? 2 : (MB >= 2 ? 4 : 8));  // linear_tile's partial sums
+  const __m256i low = _mm256_set1_epi32(0xf);
+  __m256 acc[MB][U];
+  RADIXKV_UNROLL
+  for (int m = 0; m < MB; ++m)
+    RADIXKV_UNROLL
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* cb = codes + b * 128;  // 16 pairs of inputs x 8 rows
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kCodePrefetch, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kCodePrefetch + 64, _MM_HINT_T1);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + b * 8)));
+    const __m256 off = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + b * 8)));
+    RADIXKV_UNROLL
+    for (int p = 0; p < 16; ++p) {
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + p * 8)));
+      const __m256i qs[2] = {_mm256_and_si256(q, low), _mm256_srli_epi32(q, 4)};
+      RADIXKV_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int64_t i = b * 32 + 2 * p + h;
+        const __m256 w = as_stored(_mm256_fmadd_ps(d, _mm256_cvtepi32_ps(qs[h]), off), y);  // d * q exact
+        RADIXKV_UNROLL
+        for (int m = 0; m < MB; ++m)
+          acc[m][(2 * p + h) % U] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * MB + m), w, acc[m][(2 * p + h) % U]);
       }
+    }
+  }
+  store_sums<T, MB, U>(acc, bias, y, ldy);
+}
+
+template <typename T>
+void coded_linear_avx2(const T* x, const uint8_t* codes, const c10::Half* scale, const c10::Half* offset,
+                       const float* bias, T* y, int64_t rows, int64_t k, int64_t n) {
+  const std::vector<float> xf = interleave_rows(x, rows, k);
+  at::parallel_for(0, n / 8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* c = codes + t * k * 4;
+      const c10::Half* s = scale + t * (k / 32) * 8;
+      const c10::Half* o = offset + t * (k / 32) * 8;
+      const float* b = bias != nullptr ? bias + t * 8 : nullptr;
+      for_row_blocks(rows, [&](int64_t m0, auto mb) {
+        coded_tile<T, decltype(mb)::value>(xf.data() + m0 * k, c, s, o, k, b, y + m0 * n + t * 8, n);
+      });
     }
   });
 }
@@ -1252,16 +1353,61 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torc
   return y;
 }
 
+torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(has_avx2(), "coded_linear needs a CPU with AVX2, FMA and F16C (compiled for this machine)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "coded_linear: x [M, K] with K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "coded_linear: x is 16-bit");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(1) == k / 2 && codes.size(2) == 8 &&
+              codes.is_contiguous(), "coded_linear: codes [N / 8, K / 2, 8] uint8");
+  const int64_t n = codes.size(0) * 8;
+  for (const auto* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == n / 8 && t->size(1) == k / 32 &&
+                t->size(2) == 8 && t->is_contiguous(), "coded_linear: scale, offset [N / 8, K / 32, 8] float16");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                        "coded_linear: bias [N] float32");
+  auto xc = x.contiguous();
+  auto y = torch::empty({x.size(0), n}, x.options());
+#ifdef RADIXKV_AVX2
+  AT_DISPATCH_SWITCH(x.scalar_type(), "coded_linear",
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      coded_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(),
+                                  offset.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr,
+                                  y.data_ptr<scalar_t>(), x.size(0), k, n);
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      coded_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(),
+                                  offset.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr,
+                                  y.data_ptr<scalar_t>(), x.size(0), k, n);
+    }));
+#endif
+  return y;
+}
+
 // ---- every layer of a pure-decode step in one call -------------------------------------------------
 // The Python layer loop (radixkv/model/llama.py with CpuKernelOps and small_linear weights) makes about
 // eleven calls a layer, each paying Python, pybind and module overhead: 2-3 ms of a 20 ms batch-1 step
 // here. DecodeStack makes the same kernel calls in the same order from C++, the residual adds fused
 // into the following RMSNorm (which rounds the sum where the eager add does), so its output is
 // bit-identical to the loop's: a CPU's counterpart of replaying a CUDA graph for decode.
+// One linear layer as DecodeStack multiplies it: small_linear tiles [out / 8, in, 8] in the model's dtype and
+// a float32 bias [out] or none; where the weights came from a Q4_1 file, also their coded_linear codes,
+// which serve batches of at most coded_rows rows (beyond that the 16-bit tiles are faster).
+struct TiledLinear {
+  torch::Tensor tiles;
+  c10::optional<torch::Tensor> bias, codes, scale, offset;
+  int64_t coded_rows = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (codes && x.size(0) <= coded_rows) return coded_linear(x, *codes, *scale, *offset, bias);
+    return small_linear(x, tiles, bias);
+  }
+};
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;   // [hidden], the model's dtype
-  torch::Tensor qkv, o, gate_up, down;   // small_linear tiles [out / 8, in, 8], the model's dtype
-  c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;  // [out] float32, or none
+  TiledLinear qkv, o, gate_up, down;
   torch::Tensor k_pool, v_pool;          // this layer's [S, Hkv, D]
 };
 
@@ -1292,12 +1438,12 @@ class DecodeStack {
     torch::Tensor delta;              // the previous sublayer's output, added into h by the next norm
     for (const DecodeLayer& L : layers_) {
       auto a = delta.defined() ? rms_norm(delta, h, L.input_norm, eps_) : rms_norm(h, c10::nullopt, L.input_norm, eps_);
-      auto qkv = small_linear(a, L.qkv, L.qkv_bias);  // [B, (H + 2 Hkv) D]
+      auto qkv = L.qkv(a);  // [B, (H + 2 Hkv) D]
       rope_store(qkv, cos, sin, L.k_pool, L.v_pool, slots, heads_, kv_heads_);
       auto q = qkv.narrow(1, 0, heads_ * d).contiguous().view({n, heads_, d});
       auto o = paged_decode_impl(q, L.k_pool, L.v_pool, idx, indptr, scale_, false);  // [B, H, D]
-      auto m = rms_norm(small_linear(o.view({n, heads_ * d}), L.o, L.o_bias), h, L.post_norm, eps_);
-      delta = small_linear(silu_mul(small_linear(m, L.gate_up, L.gate_up_bias)), L.down, L.down_bias);
+      auto m = rms_norm(L.o(o.view({n, heads_ * d})), h, L.post_norm, eps_);
+      delta = L.down(silu_mul(L.gate_up(m)));
     }
     return h.add_(delta);
   }
@@ -1310,6 +1456,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "Small-batch linear layer from 8-column weight tiles (AVX2)");
+  m.def("coded_linear", &coded_linear, "small_linear from 4-bit affine codes of the same weights (AVX2)");
   m.def("has_avx2", &has_avx2, "Whether the AVX2 (FMA, F16C) paths were compiled in");
   m.def("paged_decode", &paged_decode, "Paged decode attention on the CPU (see the file's header)");
   m.def("paged_prefill", &paged_prefill, "Paged causal prefill attention (see prefill_supported)");
@@ -1320,15 +1467,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &has_avx512_bf16, "Whether the bfloat16 AVX-512 path was compiled in");
   using T = torch::Tensor;
   using OptT = c10::optional<torch::Tensor>;
+  py::class_<TiledLinear>(m, "TiledLinear", py::module_local(), "One linear layer's weights for DecodeStack")
+      .def(py::init([](T tiles, OptT bias, OptT codes, OptT scale, OptT offset, int64_t coded_rows) {
+             TORCH_CHECK(codes.has_value() == scale.has_value() && codes.has_value() == offset.has_value(),
+                         "TiledLinear: codes, scale and offset go together");
+             return TiledLinear{tiles, bias, codes, scale, offset, coded_rows};
+           }),
+           py::arg("tiles"), py::arg("bias") = py::none(), py::arg("codes") = py::none(),
+           py::arg("scale") = py::none(), py::arg("offset") = py::none(), py::arg("coded_rows") = 0);
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "One layer's weights and KV pools for DecodeStack")
-      .def(py::init([](T input_norm, T post_norm, T qkv, T o, T gate_up, T down, OptT qkv_bias, OptT o_bias,
-                       OptT gate_up_bias, OptT down_bias, T k_pool, T v_pool) {
-             return DecodeLayer{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, gate_up_bias,
-                                down_bias, k_pool, v_pool};
+      .def(py::init([](T input_norm, T post_norm, TiledLinear qkv, TiledLinear o, TiledLinear gate_up,
+                       TiledLinear down, T k_pool, T v_pool) {
+             return DecodeLayer{input_norm, post_norm, qkv, o, gate_up, down, k_pool, v_pool};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
-           py::arg("k_pool"), py::arg("v_pool"));
+           py::arg("down"), py::arg("k_pool"), py::arg("v_pool"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
                           "Every layer of a pure-decode step in one call (see the source)")
       .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double>(), py::arg("layers"),

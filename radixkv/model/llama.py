@@ -27,6 +27,7 @@ from torch import nn
 from radixkv.attention.base import AttentionBackend
 from radixkv.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.kv_pool import KVPool
+from radixkv.model.coded import CodedTiles, q4_rows
 from radixkv.model.ops import TorchOps
 
 
@@ -154,18 +155,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, out_slots, pool, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def small_linear_weights(self) -> tuple[dict[str, torch.Tensor | None], int] | None:
-        """The layer's norms, ``small_linear`` tiles and float32 biases by name, and the most rows those tiles
-        serve (``PackedLinear.small_rows``); None unless every linear layer has tiles (``pack_linears`` on a
+    def small_linear_weights(self) -> tuple[dict[str, Any], int] | None:
+        """The layer's norm weights and its ``PackedLinear``s by name, and the most rows their tiles serve
+        (``PackedLinear.small_rows``); None unless every linear layer has tiles (``pack_linears`` on a
         16-bit model on an AVX2 CPU). For running the layer outside Python (``CpuKernelOps.run_layers``)."""
         linears = {"qkv": self.self_attn.qkv_proj, "o": self.self_attn.o_proj,
                    "gate_up": self.mlp.gate_up_proj, "down": self.mlp.down_proj}
         if not all(isinstance(m, PackedLinear) and m.tiles is not None for m in linears.values()):
             return None
         weights = {"input_norm": self.input_layernorm.weight.detach(),
-                   "post_norm": self.post_attention_layernorm.weight.detach()}
-        for name, m in linears.items():
-            weights[name], weights[f"{name}_bias"] = m.tiles, m.bias
+                   "post_norm": self.post_attention_layernorm.weight.detach(), **linears}
         return weights, min(m.small_rows for m in linears.values())
 
 
@@ -194,9 +193,20 @@ class PackedLinear(nn.Module):
     compiled AVX2 kernel reading the 16-bit weights, repacked into
     ``tiles`` ``[out / 8, in, 8]``): a float32 copy would double what each
     decode step streams, and oneDNN's float32 GEMM is far from peak at 1-8 rows.
+    Where the weights were dequantized from a GGUF Q4_1 file, ``coded``
+    holds their exact 4-bit codes (``radixkv.model.coded``, set by
+    ``pack_linears``), which ``small_kernels.coded_linear`` multiplies for
+    batches of at most ``coded_rows`` tokens: the same outputs, bit for bit,
+    from 0.625 bytes a weight instead of 2.
     The packed weight is opaque: it cannot be moved, cast or saved, so
     packing is the last step before serving (``pack_linears``).
     """
+
+    # Where coded_linear stops paying: SmolLM2's 30 layers of linears on this project's AVX2 machine,
+    # weights from DRAM, alternating with small_linear in one process, took 0.70x small_linear's time at
+    # 1 row, 0.81x at 2 and 1.05x at 3: rebuilding each weight costs vector ALU throughput that more
+    # rows need for their own FMAs (docs/experiments.md, ninth round).
+    CODED_ROWS = 2
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 8, compute_dtype: torch.dtype | None = None,
                  small_kernels: ModuleType | None = None, small_rows: int = 16):
@@ -208,14 +218,29 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
         self.small_kernels, self.small_rows, self.tiles = None, small_rows, None
+        self.coded: CodedTiles | None = None
+        self.coded_rows = self.CODED_ROWS
         if small_kernels is not None and self.compute_dtype != self.dtype and self.out_features % 8 == 0:
             self.small_kernels = small_kernels
             n, k = weight.shape
             self.tiles = weight.view(n // 8, 8, k).transpose(1, 2).contiguous()  # [out / 8, in, 8]
 
+    def weight(self) -> torch.Tensor | None:
+        """The 16-bit weight ``[out, in]`` rebuilt from ``tiles`` (None without tiles)."""
+        return None if self.tiles is None else self.tiles.transpose(1, 2).reshape(self.out_features, -1)
+
+    def small_linear_args(self) -> dict[str, Any]:
+        """Keyword arguments of the kernels' ``TiledLinear`` for this layer (it must have tiles)."""
+        c = self.coded
+        return {"tiles": self.tiles, "bias": self.bias, "codes": c and c.codes, "scale": c and c.scale,
+                "offset": c and c.offset, "coded_rows": self.coded_rows}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features], both in the layer's dtype
         if self.small_kernels is not None and x.shape[0] <= self.small_rows:
+            if self.coded is not None and x.shape[0] <= self.coded_rows:
+                c = self.coded
+                return self.small_kernels.coded_linear(x, c.codes, c.scale, c.offset, self.bias)
             return self.small_kernels.small_linear(x, self.tiles, self.bias)  # bias: float32 here
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
         return y.to(self.dtype)
@@ -243,6 +268,9 @@ def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` computing in ``linear_compute_dtype``.
 
+    Where the layers get ``small_linear`` tiles and ``model.gguf_file`` names
+    the GGUF file the weights were dequantized from, every layer whose weights
+    its Q4_1 codes rebuild exactly also gets them (``PackedLinear.coded``).
     Returns how many were replaced (0 where that dtype is None).
     """
     compute = linear_compute_dtype(model)
@@ -256,6 +284,12 @@ def pack_linears(model: nn.Module) -> int:
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, compute_dtype=compute, small_kernels=small))
+    source = getattr(model, "gguf_file", None)
+    if small is not None and source is not None:
+        rows = q4_rows(source, next(model.parameters()).dtype)
+        for parent, name, _ in targets:
+            packed = getattr(parent, name)
+            packed.coded = rows.tiles(packed.weight())
     return len(targets)
 
 
@@ -288,6 +322,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.ops = TorchOps()  # runs the layer stack (see set_ops)
+        self.gguf_file: str | None = None  # the GGUF file the weights were dequantized from (see pack_linears)
 
     def set_ops(self, ops: TorchOps) -> None:
         """Run the layers' elementwise steps (RMSNorm, RoPE + KV store, SwiGLU) and the layer loop through ``ops``."""

@@ -107,7 +107,9 @@ def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedM
     tok, hf = _read_gguf(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     # the caller gets its own copy of the transformers model: Module.to() casts in place, which would
     # change what the next load of this file returns
-    return LoadedModel(_from_hf(hf, dtype, device), tok, copy.deepcopy(hf) if keep_hf else None, str(path))
+    model = _from_hf(hf, dtype, device)
+    model.gguf_file = str(path)  # pack_linears reads its exact 4-bit codes where it has them
+    return LoadedModel(model, tok, copy.deepcopy(hf) if keep_hf else None, str(path))
 
 
 def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:

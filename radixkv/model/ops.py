@@ -123,9 +123,14 @@ class CpuKernelOps(TorchOps):
         if not found or not self.kernels.has_avx2():
             return None
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
+        def layer(i: int, weights: dict[str, Any]) -> Any:
+            tiled = {name: self.kernels.TiledLinear(**m.small_linear_args()) for name, m in weights.items()
+                     if name not in ("input_norm", "post_norm")}
+            return self.kernels.DecodeLayer(input_norm=weights["input_norm"], post_norm=weights["post_norm"],
+                                            **tiled, k_pool=pool.k[i], v_pool=pool.v[i])
+
         stack = self.kernels.DecodeStack(
-            [self.kernels.DecodeLayer(**weights, k_pool=pool.k[i], v_pool=pool.v[i]) for i, (weights, _) in
-             enumerate(found)],
+            [layer(i, weights) for i, (weights, _) in enumerate(found)],
             heads=attn.cfg.num_heads, kv_heads=attn.cfg.num_kv_heads, eps=norm.eps, scale=backend.scale)
         return stack, min(rows for _, rows in found)
 
