@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv.model.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors
+from radixkv.model.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors, rebuilds_exactly
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
@@ -242,3 +242,18 @@ def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits():
         run_step(model, pool, backend, [prompt], AttentionBatch([0], [20], [np.arange(20)]))
         logits.append(run_step(model, pool, backend, [[7]], AttentionBatch([20], [1], [np.arange(21)])))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_rebuilds_exactly_refuses_what_the_kernels_rounding_would_get_wrong():
+    """-0 before rounding (a negative scale, code 0, offset -0) rounds to +0 in coded_linear's bfloat16 path:
+    such weights get no codes, though the cast itself matches; float16's rounding has no such case."""
+    codes = torch.zeros(8, 32, dtype=torch.uint8)
+    d = torch.full((8, 1), -0.5, dtype=torch.float16)
+    m = torch.full((8, 1), -0.0, dtype=torch.float16)
+    for dtype, expected in ((torch.bfloat16, False), (torch.float16, True)):
+        w = dequantize(codes, d, m, dtype)
+        assert bool(torch.signbit(w).all())  # -0 everywhere
+        assert rebuilds_exactly(codes, d, m, w) is expected
+    m = torch.full((8, 1), 0.25, dtype=torch.float16)
+    assert rebuilds_exactly(codes, d, m, dequantize(codes, d, m, torch.bfloat16))
+    assert not rebuilds_exactly(codes, d, m, dequantize(codes, d, m, torch.bfloat16) + 1)

@@ -127,6 +127,25 @@ def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: tor
     return (scale * codes.to(torch.float32) + offset).to(dtype)
 
 
+def rebuilds_exactly(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``coded_linear`` rebuilds ``weight`` ``[rows, k]`` from these codes bit for bit.
+
+    ``dequantize`` must give ``weight``'s bits, and no unrounded value may be
+    one the kernel's bfloat16 rounding does not handle as the cast does: -0
+    (it gives +0), a float32 subnormal or one of 2^100 or more. With float16
+    ``d`` and ``m`` only -0 can occur (a negative ``d`` with ``q = 0`` and
+    ``m = -0``), and never in files that ``gguf`` writes; checked anyway.
+    """
+    scale = d.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+    raw = scale * codes.to(torch.float32) + m.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+    if weight.dtype == torch.bfloat16:
+        size = raw.abs()
+        negative_zero = torch.signbit(raw) & (raw == 0)
+        if bool((negative_zero | ((size > 0) & (size < torch.finfo(torch.float32).tiny)) | (size >= 2.0**100)).any()):
+            return False
+    return torch.equal(raw.to(weight.dtype).view(torch.int16), weight.view(torch.int16))
+
+
 def _fingerprints(values: torch.Tensor) -> torch.Tensor:
     """A 64-bit fingerprint ``[rows]`` of the bit pattern of each row's first 64 values (16-bit ``[rows, k]``).
 
@@ -183,7 +202,7 @@ class Q4Rows:
         if None in rows:
             return None
         codes, d, m = _decode(self._blocks[k][torch.tensor(rows)])
-        if not torch.equal(dequantize(codes, d, m, self.dtype).view(torch.int16), weight.view(torch.int16)):
+        if not rebuilds_exactly(codes, d, m, weight):
             return None
 
         def tiled(x: torch.Tensor) -> torch.Tensor:  # [out, j] -> [out / 8, j, 8]
