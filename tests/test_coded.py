@@ -72,7 +72,7 @@ def test_q4_1_tensors_reads_what_gguf_reader_reads(tmp_path):
         if t.name in weights:
             assert mine[t.name].shape == (weights[t.name].shape[0], weights[t.name].shape[1] // BLOCK, 20)
             assert np.array_equal(np.asarray(t.data).reshape(mine[t.name].shape), mine[t.name])
-    with pytest.raises(ValueError, match="not a GGUF file"):
+    with pytest.raises(ValueError, match="not a little-endian GGUF file"):
         (tmp_path / "x.gguf").write_bytes(b"\0" * 64)
         q4_1_tensors(tmp_path / "x.gguf")
 
@@ -257,3 +257,25 @@ def test_rebuilds_exactly_refuses_what_the_kernels_rounding_would_get_wrong():
     m = torch.full((8, 1), 0.25, dtype=torch.float16)
     assert rebuilds_exactly(codes, d, m, dequantize(codes, d, m, torch.bfloat16))
     assert not rebuilds_exactly(codes, d, m, dequantize(codes, d, m, torch.bfloat16) + 1)
+
+
+@needs_gguf
+def test_pack_linears_serves_without_codes_where_it_cannot_read_them(tmp_path):
+    """A layer without tiles (out_features % 8 != 0), a GGUF file gone since loading, or a file that is not
+    GGUF: packing goes on, and those layers simply get no codes."""
+    from radixkv.model import load_model
+    from radixkv.model.llama import PackedLinear, pack_linears
+
+    _avx2_kernels()
+    gen = torch.Generator().manual_seed(3)
+    _write_q4_1(tmp_path / "m.gguf", {"a.weight": torch.randn(16, 64, generator=gen)})
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
+    for source in (tmp_path / "m.gguf", tmp_path / "gone.gguf", tmp_path / "bad.gguf"):
+        model = load_model("tiny-random", dtype=torch.bfloat16).model
+        model.lm_head = torch.nn.Linear(64, 509, bias=False).to(torch.bfloat16)  # 509 rows: no tiles
+        model.gguf_file = str(source)
+        assert pack_linears(model) > 0
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if linears[0].tiles is None:
+            pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
+        assert model.lm_head.tiles is None and all(m.coded is None for m in linears)

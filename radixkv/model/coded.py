@@ -92,8 +92,8 @@ def q4_1_tensors(path: str | Path) -> dict[str, np.ndarray]:
             return take(_SCALARS[kind])
 
         magic, version, tensors, fields = take("4sIQQ")
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
         alignment = 32
         for _ in range(fields):
             key = text()

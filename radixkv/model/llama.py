@@ -17,6 +17,7 @@ each request.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -286,10 +287,14 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, name, PackedLinear(child, compute_dtype=compute, small_kernels=small))
     source = getattr(model, "gguf_file", None)
     if small is not None and source is not None:
-        rows = q4_rows(source, next(model.parameters()).dtype)
-        for parent, name, _ in targets:
+        try:
+            rows = q4_rows(source, next(model.parameters()).dtype)
+        except (OSError, ValueError, KeyError, struct.error):  # the codes only save time: serve without them
+            rows = None
+        for parent, name, _ in targets if rows is not None else ():
             packed = getattr(parent, name)
-            packed.coded = rows.tiles(packed.weight())
+            weight = packed.weight()  # None where the layer has no tiles (out_features % 8 != 0)
+            packed.coded = None if weight is None else rows.tiles(weight)
     return len(targets)
 
 
