@@ -967,6 +967,7 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
 // Layout for one tile of 8 output rows: codes [k / 2, 8] uint8 (byte [p, c] holds row c's codes for
 // inputs 2p, low nibble, and 2p + 1, high nibble); scale, offset [k / 32, 8] float16 (row c's d and m
 // for inputs 32b .. 32b + 31).
+
 // v rounded to T's precision (to nearest, ties to even), kept in float32. For bfloat16: with e = 2^exponent(v)
 // and c = 1.5 * 2^16 * e, v + c lies in c's binade, whose spacing 2^-7 e is bfloat16's at v, so the add
 // rounds v as bfloat16 would and subtracting c is exact (e * 1.5 * 2^16 is exact, so both fused forms
@@ -1370,17 +1371,11 @@ torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   auto xc = x.contiguous();
   auto y = torch::empty({x.size(0), n}, x.options());
 #ifdef RADIXKV_AVX2
-  AT_DISPATCH_SWITCH(x.scalar_type(), "coded_linear",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      coded_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(),
-                                  offset.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr,
-                                  y.data_ptr<scalar_t>(), x.size(0), k, n);
-    })
-    AT_DISPATCH_CASE(at::kHalf, [&] {
-      coded_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(),
-                                  offset.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr,
-                                  y.data_ptr<scalar_t>(), x.size(0), k, n);
-    }));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "coded_linear", [&] {
+    coded_linear_avx2<scalar_t>(xc.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(),
+                                offset.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr,
+                                y.data_ptr<scalar_t>(), x.size(0), k, n);
+  });
 #endif
   return y;
 }
@@ -1391,6 +1386,7 @@ torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 // here. DecodeStack makes the same kernel calls in the same order from C++, the residual adds fused
 // into the following RMSNorm (which rounds the sum where the eager add does), so its output is
 // bit-identical to the loop's: a CPU's counterpart of replaying a CUDA graph for decode.
+
 // One linear layer as DecodeStack multiplies it: small_linear tiles [out / 8, in, 8] in the model's dtype and
 // a float32 bias [out] or none; where the weights came from a Q4_1 file, also their coded_linear codes,
 // which serve batches of at most coded_rows rows (beyond that the 16-bit tiles are faster).

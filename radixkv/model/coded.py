@@ -116,15 +116,19 @@ def q4_1_tensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _unrounded(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``float32(d * q) + m`` ``[rows, k]``, as ``gguf``'s Q4_1 dequantization computes it (each step rounded)."""
+    scale = d.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+    return scale * codes.to(torch.float32) + m.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+
+
 def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Weights ``[rows, k]`` in ``dtype`` from codes ``[rows, k]`` and ``d``, ``m`` ``[rows, k / 32]``.
 
     As ``gguf``'s Q4_1 dequantization (which ``transformers`` loads through)
-    and then the cast to ``dtype``: ``float32(d * q) + m``, each step rounded.
+    and then the cast to ``dtype``.
     """
-    scale = d.to(torch.float32).repeat_interleave(BLOCK, dim=1)
-    offset = m.to(torch.float32).repeat_interleave(BLOCK, dim=1)
-    return (scale * codes.to(torch.float32) + offset).to(dtype)
+    return _unrounded(codes, d, m).to(dtype)
 
 
 def rebuilds_exactly(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -136,8 +140,7 @@ def rebuilds_exactly(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, weig
     ``d`` and ``m`` only -0 can occur (a negative ``d`` with ``q = 0`` and
     ``m = -0``), and never in files that ``gguf`` writes; checked anyway.
     """
-    scale = d.to(torch.float32).repeat_interleave(BLOCK, dim=1)
-    raw = scale * codes.to(torch.float32) + m.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+    raw = _unrounded(codes, d, m)
     if weight.dtype == torch.bfloat16:
         size = raw.abs()
         negative_zero = torch.signbit(raw) & (raw == 0)
@@ -182,7 +185,7 @@ class Q4Rows:
         self._blocks = {k: torch.cat(parts) for k, parts in by_width.items()}  # k -> [rows, k / 32, 20]
         self._where: dict[int, dict[int, int]] = {}  # k -> fingerprint -> row of _blocks[k]
         for k, blocks in self._blocks.items():
-            head = dequantize(*_decode(blocks[:, :2]), dtype) if k >= 64 else dequantize(*_decode(blocks), dtype)
+            head = dequantize(*_decode(blocks[:, :2]), dtype)  # the first 64 inputs (all, where k is 32)
             where = self._where[k] = {}
             for row, fp in enumerate(_fingerprints(head).tolist()):
                 where.setdefault(fp, row)
