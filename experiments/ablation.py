@@ -7,6 +7,9 @@ and lpm with in-batch prefix sharing) at several KV capacities, and prints hit
 rate and its percentage of the workload's upper bound. SGLang reports its
 cache-aware scheduling at 96% of the optimal hit rate on average over its
 workloads. Writes ``results/ablation.jsonl`` and a ``.png`` heat map.
+``--max-batch-tokens`` and ``--chunked-prefill-size`` schedule each step as
+the engine does (its defaults are 4,096 and 1,024); without them every
+admitted prompt is prefilled whole in one step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, fractions_from, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import (  # noqa: E402
+    add_budget_flags,
+    budgets,
+    check_budgets,
+    environment,
+    fractions_from,
+    names_from,
+    parser,
+    run_cli,
+    save_figure,
+    table,
+    write_rows,
+)
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -52,7 +67,7 @@ def run(names: list[str], fractions: list[float], evictions: list[str], schedule
         longest = max(r.prompt_len + r.output_len for r in reqs)
         cap = max(int(total * frac), longest)
         res = simulate(reqs, cache="radix", capacity_tokens=cap, eviction_policy=ev, seed=args.seed,
-                       max_running=args.max_running, **SCHEDULES[sched])
+                       max_running=args.max_running, **budgets(args), **SCHEDULES[sched])
         rows.append({"workload": name, "capacity_frac": frac, "schedule": sched, **res.config, **res.summary(),
                      "upper_bound": ub, "pct_of_upper_bound": 100 * res.hit_rate / ub if ub else 0.0,
                      "sizes": SIZES[name], "env": environment(), "args": vars(args)})
@@ -110,7 +125,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--evictions", default=",".join(EVICTIONS))
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--max-running", type=int, default=32)
+    add_budget_flags(p)
     args = p.parse_args(argv)
+    check_budgets(p, args)
     evictions = names_from(args.evictions, EVICTIONS, "--evictions")
     schedules = names_from(args.schedules, SCHEDULES, "--schedules")
     fracs = fractions_from(args.capacity_fracs, "--capacity-fracs")

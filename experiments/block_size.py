@@ -9,6 +9,9 @@ unlimited, and a limited one (by default 50% of the workload's distinct
 tokens, i.e. of what an unlimited cache holds at the end; 50% of *all* tokens
 would evict nothing on these workloads). Writes ``results/block_size.jsonl``
 (one row per run, with its full config) and ``.png`` (figure 5).
+``--max-batch-tokens`` and ``--chunked-prefill-size`` schedule each step as
+the engine does (its defaults are 4,096 and 1,024); without them every
+admitted prompt is prefilled whole in one step.
 
 What to look for: with nothing evicted, the tree and the hash chain reuse
 exactly the same whole blocks at equal granularity, so radix == hash at every
@@ -28,7 +31,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.common import environment, fractions_from, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import (  # noqa: E402
+    add_budget_flags,
+    budgets,
+    check_budgets,
+    environment,
+    fractions_from,
+    names_from,
+    parser,
+    run_cli,
+    save_figure,
+    table,
+    write_rows,
+)
 from experiments.plots import fig5_block_size  # noqa: E402
 from radixkv import workloads  # noqa: E402
 from radixkv.cache.radix import RadixCache  # noqa: E402
@@ -73,7 +88,8 @@ def run(name: str, block_sizes: list[int], fracs: list[float], args) -> list[dic
     ubs = {b: upper_bound(reqs, page_size=b) for b in block_sizes}
     base = distinct if args.capacity_of == "distinct" else total
     common = dict(eviction_policy=args.eviction_policy, schedule_policy=args.schedule_policy,
-                  max_running=args.max_running, seed=args.seed, in_batch_sharing=args.in_batch_sharing or None)
+                  max_running=args.max_running, seed=args.seed, in_batch_sharing=args.in_batch_sharing or None,
+                  **budgets(args))
     rows = []
     for frac in fracs:
         cap = None if frac == 0 else max(int(base * frac), longest)
@@ -129,7 +145,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 turns it off")
     p.add_argument("--max-running", type=int, default=32)
     p.add_argument("--no-plot", action="store_true", help="write the .jsonl only")
+    add_budget_flags(p)
     args = p.parse_args(argv)
+    check_budgets(p, args)
     blocks = [int(b) for b in args.block_sizes.split(",")]
     fracs = fractions_from(args.capacity_fracs, "--capacity-fracs")
     if args.scale <= 0:

@@ -32,6 +32,27 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_budget_flags(p: argparse.ArgumentParser) -> None:
+    """``--max-batch-tokens`` and ``--chunked-prefill-size`` for a simulator experiment: without them every
+    admitted prompt is prefilled whole in one step; with them each step is scheduled as the engine schedules
+    it (its defaults are 4,096 and 1,024). ``budgets`` reads them back, ``check_budgets`` checks them."""
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="tokens per step, as the engine's (4,096 there); unlimited when omitted")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="tokens per prefill chunk, as the engine's (1,024 there); whole prompts when omitted")
+
+
+def budgets(args: argparse.Namespace) -> dict:
+    """The ``simulate()`` keywords of ``add_budget_flags``'s flags."""
+    return {"max_batch_tokens": args.max_batch_tokens, "chunked_prefill_size": args.chunked_prefill_size}
+
+
+def check_budgets(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A budget below 1 is a usage error of ``p`` (checked before any work)."""
+    if any(v is not None and v < 1 for v in budgets(args).values()):
+        p.error("--max-batch-tokens and --chunked-prefill-size must be >= 1")
+
+
 def names_from(text: str, allowed: Iterable[str], flag: str) -> list[str]:
     """The comma-separated names in ``text``; a ``ValueError`` listing the choices if one is not ``allowed``."""
     names, allowed = text.split(","), list(allowed)

@@ -6,6 +6,9 @@ replays the trace (real tokens: 512 per block id) through radix (page 1 and
 upper bound (the trace's own bound from ``hash_ids``), and writes
 ``results/mooncake.jsonl`` and ``.png``. The Mooncake paper reports about 40%
 prefix reuse with an unlimited cache on this workload.
+``--max-batch-tokens`` and ``--chunked-prefill-size`` schedule each step as
+the engine does (its defaults are 4,096 and 1,024); without them every
+admitted prompt is prefilled whole in one step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from tqdm import tqdm  # noqa: E402
 
 from experiments.common import (  # noqa: E402
     DEFAULT_TRACE,
+    add_budget_flags,
+    budgets,
+    check_budgets,
     environment,
     fractions_from,
     names_from,
@@ -73,7 +79,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--no-belady", action="store_true", help="skip the clairvoyant (Belady) reference runs")
+    add_budget_flags(p)
     args = p.parse_args(argv)
+    check_budgets(p, args)
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
     arms = names_from(args.arms, ARMS, "--arms")
@@ -87,12 +95,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         refs = [c for c in caps if c is not None or REFERENCE_ARM not in arms]
         for cap in tqdm(refs, desc="belady", leave=False):
             belady[cap] = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed,
-                                   eviction_policy="belady" if cap is not None else "lru").hit_rate
+                                   eviction_policy="belady" if cap is not None else "lru", **budgets(args)).hit_rate
     rows, ub = [], bound["hit_rate"]
     for arm in tqdm(arms, desc="arms"):
         for cap in tqdm(caps, desc=arm, leave=False):
             t0 = time.perf_counter()
-            res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed, **ARMS[arm])
+            res = simulate(requests, capacity_tokens=cap, max_running=args.max_running, seed=args.seed,
+                           **budgets(args), **ARMS[arm])
             if cap is None and arm == REFERENCE_ARM and not args.no_belady:
                 belady[None] = res.hit_rate
             rows.append({"arm": arm, **res.config, **res.summary(), "upper_bound": ub,

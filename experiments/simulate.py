@@ -17,7 +17,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import environment, fractions_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
+from experiments.common import (  # noqa: E402
+    add_budget_flags,
+    budgets,
+    check_budgets,
+    environment,
+    fractions_from,
+    parser,
+    run_cli,
+    save_figure,
+    table,
+    write_rows,
+)
 from radixkv import workloads  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
@@ -43,7 +54,7 @@ def run_grid(requests, caches, caps, evictions, schedules, args) -> list[dict]:
     for cache, cap, ev, sched in tqdm(jobs, desc="simulate", unit="run"):
         common = dict(capacity_tokens=cap, page_size=args.page_size, schedule_policy=sched,
                       max_running=args.max_running, seed=args.seed, in_batch_sharing=args.in_batch_sharing,
-                      max_batch_tokens=args.max_batch_tokens, chunked_prefill_size=args.chunked_prefill_size)
+                      **budgets(args))
         res = simulate(requests, cache=cache, block_size=args.block_size, eviction_policy=ev, **common)
         if (cap, sched) not in belady:
             belady[cap, sched] = simulate(requests, cache="radix", eviction_policy="belady", **common).hit_rate
@@ -93,16 +104,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--in-batch-sharing", type=int, default=None, help="token threshold; off when omitted")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="tokens per step, as the engine's (4,096 there); unlimited when omitted")
-    p.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="tokens per prefill chunk, as the engine's (1,024 there); whole prompts when omitted")
+    add_budget_flags(p)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's request count")
     args = p.parse_args(argv)
     if args.scale <= 0:
         p.error("--scale must be > 0")
-    if any(v is not None and v < 1 for v in (args.max_batch_tokens, args.chunked_prefill_size)):
-        p.error("--max-batch-tokens and --chunked-prefill-size must be >= 1")
+    check_budgets(p, args)
     sizes = _scaled_sizes(args.workload, args.scale)
     requests = workloads.make(args.workload, seed=args.seed, **sizes)
     caps = capacities(requests, fractions_from(args.capacity_fracs, "--capacity-fracs"))

@@ -122,6 +122,35 @@ def test_simulate_grid_takes_the_engines_token_budgets(tmp_path):
         sim_experiment.main([*flags, "--max-batch-tokens", "0"])
 
 
+def _small_trace(path):
+    lines = [{"timestamp": 10 * i, "input_length": 1100 + 300 * (i % 3), "output_length": 40,
+              "hash_ids": [0, 1, 2 + i % 3, *([9 + i] if i % 3 == 2 else [])]} for i in range(6)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("experiment", ["ablation", "block_size", "mooncake"])
+def test_simulator_experiments_take_the_engines_token_budgets(experiment, tmp_path):
+    """As experiments.simulate: the flags reach every run (the references too) and change its schedule."""
+    import importlib
+
+    module = importlib.import_module(f"experiments.{experiment}")
+    flags = {"ablation": ["--workloads", "multi_turn", "--capacity-fracs", "0.2", "--evictions", "lru,belady",
+                          "--schedules", "lpm"],
+             "block_size": ["--workloads", "multi_turn", "--block-sizes", "4", "--capacity-fracs", "0,0.5",
+                            "--scale", "0.1", "--no-plot"],
+             "mooncake": ["--trace", _small_trace(tmp_path / "trace.jsonl"), "--capacities", "3000,0",
+                          "--arms", "radix page 1,hash block 16"]}[experiment] + ["--out", str(tmp_path / "x")]
+    whole = module.main(flags)
+    chunked = module.main([*flags, "--max-batch-tokens", "256", "--chunked-prefill-size", "64"])
+    assert len(whole) == len(chunked) > 1
+    assert all(r["max_batch_tokens"] is None and r["chunked_prefill_size"] is None for r in whole)
+    assert all((r["max_batch_tokens"], r["chunked_prefill_size"]) == (256, 64) for r in chunked)
+    assert any(a["makespan"] != b["makespan"] for a, b in zip(whole, chunked, strict=True))
+    with pytest.raises(SystemExit):
+        module.main([*flags, "--chunked-prefill-size", "0"])
+
+
 def test_mooncake_with_nothing_to_reuse_does_not_divide_by_zero(tmp_path):
     from experiments import mooncake
     from experiments.common import DEFAULT_TRACE
@@ -182,6 +211,18 @@ def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
     assert again["decode_ms_b8"] == pytest.approx(got["decode_ms_b8"])  # batch 8 reads the 16-bit tiles
     measured = machine_rates(model, repeats=1, rows=16)
     assert measured["read_gb_s"] > 0 and measured["gemm_gflop_s"] > 0 and measured["gemm_dtype"] == "float32"
+
+
+def test_bench_engine_takes_the_best_rate_of_its_probes_and_times_the_decode_figures_in_turns():
+    from experiments.bench_engine import best_rates, interleaved
+
+    slow = {"read_gb_s": 11.7, "gemm_gflop_s": 140.0, "gemm_dtype": "float32"}
+    fast = {"read_gb_s": 24.0, "gemm_gflop_s": 65.0, "gemm_dtype": "float32"}
+    assert best_rates(slow, fast) == {"read_gb_s": 24.0, "gemm_gflop_s": 140.0, "gemm_dtype": "float32"}
+    order = []
+    got = interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3, per_round=2)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3  # one warm-up each, then turns of two runs
+    assert set(got) == {"a", "b"} and all(v >= 0 for v in got.values())
 
 
 def test_bench_engine_targets_carry_this_machines_floor_where_one_applies():
