@@ -305,7 +305,11 @@ class LLM:
             return []
         cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
                            if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
-        return [c.request for c in self.policy.order(cands)]
+        if not getattr(self.policy, "sees_in_flight", False):
+            return [c.request for c in self.policy.order(cands)]
+        in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
+                     if s.computed < len(s.prompt)]  # prefills whose chunks will cache what they share
+        return [c.request for c in self.policy.order(cands, in_flight)]
 
     def _allocate(self, s: _Seq, n: int) -> bool:
         """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.

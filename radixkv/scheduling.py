@@ -16,7 +16,11 @@ and batch limits allow.
 ``InBatchPrefixSharing`` wraps any policy: of several waiting requests that
 share an uncached prefix of at least ``threshold`` tokens, only the first is
 offered this round; the others wait for a later round, when they hit the
-cache that the first one filled (SGLang's in-batch prefix caching).
+cache that the first one filled (SGLang's in-batch prefix caching). Under
+chunked prefill a prompt takes several rounds, so it also holds back waiting
+requests that share at least ``threshold`` tokens past their cached prefix
+with a prompt still being prefilled (``in_flight``), until its chunks have
+cached all but fewer than ``threshold`` of them.
 
 A policy's ``order`` may therefore leave requests out: those wait.
 """
@@ -49,6 +53,9 @@ class Candidate:
 
 
 class SchedulePolicy(Protocol):
+    """``needs_match``: the caller fills each candidate's ``match``. ``sees_in_flight`` (optional, default
+    False): ``order`` also takes ``in_flight``, the running requests whose prompts are not all computed yet."""
+
     name: str
     needs_match: bool
 
@@ -132,19 +139,23 @@ class RandomOrder:
 
 
 class InBatchPrefixSharing:
-    """Hold back waiting requests whose uncached prefix another waiting request will compute.
+    """Hold back waiting requests whose uncached prefix another request will compute.
 
-    Walks the inner policy's order; a request whose cached prefix is shorter
-    than ``threshold`` is looked up in a scratch radix tree of the prompts
-    offered so far in this round; if it shares at least ``threshold`` tokens
-    with one of them it is left out of this round, otherwise its prompt joins
-    the scratch tree. The scratch tree has the cache's page size, so a prefix
-    shared below one page (which the cache could not hold) holds nothing back.
-    The first request of every group is always offered, so the queue never
-    stalls. O(total prompt tokens) memcmp work per round.
+    Walks the inner policy's order. A request is left out of this round if
+    it shares at least ``threshold`` tokens past its cached prefix with a
+    prompt of ``in_flight`` (running, not all computed: its chunks will cache
+    them). Otherwise, one whose cached prefix is shorter than ``threshold`` is
+    looked up in a scratch radix tree of the prompts offered so far in this
+    round; if it shares at least ``threshold`` tokens with one of them it is
+    left out, otherwise its prompt joins the scratch tree. The scratch trees
+    have the cache's page size, so a prefix shared below one page (which the
+    cache could not hold) holds nothing back. The first waiting request of
+    every group is always offered unless a running prefill holds it, so the
+    queue never stalls. O(total prompt tokens) memcmp work per round.
     """
 
     needs_match = True
+    sees_in_flight = True
 
     def __init__(self, inner: SchedulePolicy, threshold: int = 32, page_size: int = 1):
         if threshold < 1 or page_size < 1:
@@ -154,10 +165,16 @@ class InBatchPrefixSharing:
         self.page_size = page_size  # the cache's page / block: sharing below it can never be a hit
         self.name = f"{inner.name}+in-batch-sharing"
 
-    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
-        scratch = RadixCache(self.page_size)
-        offered, slot = [], 0
+    def order(self, waiting: Sequence[Candidate], in_flight: Sequence[Candidate] = ()) -> list[Candidate]:
+        scratch, flight = RadixCache(self.page_size), RadixCache(self.page_size)
+        slot = 0
+        for c in in_flight:
+            flight.insert(c.tokens, np.arange(slot, slot + len(c.tokens)), c.namespace)
+            slot += len(c.tokens)
+        offered = []
         for c in self.inner.order(waiting):
+            if in_flight and flight.match_prefix(c.tokens, c.namespace).length - c.match.length >= self.threshold:
+                continue  # a running prefill is computing what this one would recompute
             if c.match.length >= self.threshold:
                 offered.append(c)
                 continue

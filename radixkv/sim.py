@@ -282,9 +282,14 @@ class _Simulation:
             return []
         waiting = self.waiting.values()
         if self.policy.needs_match:
-            order = [c.request for c in self.policy.order([
-                Candidate(r, r.prompt, match_for_prefill(self.cache, r.prompt, r.namespace), r.rid, r.namespace)
-                for r in waiting])]
+            cands = [Candidate(r, r.prompt, match_for_prefill(self.cache, r.prompt, r.namespace), r.rid, r.namespace)
+                     for r in waiting]
+            if getattr(self.policy, "sees_in_flight", False):  # as the engine: prefills still running
+                cands = self.policy.order(cands, [Candidate(s.req, s.req.prompt, None, s.req.rid, s.req.namespace)
+                                                  for s in self.running if s.prefilling])
+            else:
+                cands = self.policy.order(cands)
+            order = [c.request for c in cands]
         elif self.policy.name == "fcfs":
             order = waiting  # already in arrival order: no need to rank a long queue every step
         else:

@@ -271,6 +271,20 @@ def test_in_batch_prefix_sharing(cache, sharing, expected):
     llm.check_idle()
 
 
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+def test_in_batch_sharing_waits_for_a_prefix_still_being_prefilled(cache):
+    """A 64-token common prefix in chunks of 16: the three others wait while the first prompt's chunks still have
+    at least the threshold (32) of it to cache, not one step only, so each computes 16 of it (48 hit) where it
+    used to come in after the first chunk; outputs are unchanged."""
+    prompts = [list(range(100, 164)) + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    llm = engine(cache, page=1, chunk=16, in_batch_sharing=32)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48, 48]
+    assert llm.stats()["prefill_tokens"] == 67 + 3 * (16 + 3)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine("none", chunk=16).generate(prompts, GREEDY)]
+    llm.check_idle()
+
+
 def test_step_records_fit_the_simulator_cost_model():
     from radixkv.sim import CostModel
 
