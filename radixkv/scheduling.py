@@ -173,7 +173,8 @@ class InBatchPrefixSharing:
             slot += len(c.tokens)
         offered = []
         for c in self.inner.order(waiting):
-            if in_flight and flight.match_prefix(c.tokens, c.namespace).length - c.match.length >= self.threshold:
+            # [:-1] as match_for_prefill: the last prompt token is always computed, so it is never a hit to wait for
+            if in_flight and flight.match_prefix(c.tokens[:-1], c.namespace).length - c.match.length >= self.threshold:
                 continue  # a running prefill is computing what this one would recompute
             if c.match.length >= self.threshold:
                 offered.append(c)
