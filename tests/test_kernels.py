@@ -169,6 +169,32 @@ def test_decode_batch_of_one_and_many_agree():
         torch.testing.assert_close(backend.run(q[r : r + 1].contiguous(), 0), together[r : r + 1], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_splits_a_lone_context_evenly_and_any_batch_gets_its_bits(threads):
+    """Parts of a context are equal and a multiple of the threads (1,025 tokens: six of 171 on 2 threads, not
+    256 x 4 and 1): contexts of 1-1,025 tokens give dense attention's output, a request gets the same float32
+    bits alone as beside others, and lengths below the thread count leave no part empty."""
+    g = torch.Generator().manual_seed(5)
+    lens, kv_heads, group, d = [1, 2, 3, 257, 600, 1025], 3, 3, 64
+    pool_k = torch.randn(sum(lens), kv_heads, d, generator=g)
+    pool_v = torch.randn(sum(lens), kv_heads, d, generator=g)
+    q = torch.randn(len(lens), kv_heads * group, d, generator=g)
+    indptr = torch.tensor(np.cumsum([0, *lens]))
+    idx = torch.randperm(sum(lens), generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernels().paged_decode(q, pool_k, pool_v, idx, indptr, d**-0.5)
+        for r, n in enumerate(lens):
+            s = idx[indptr[r] : indptr[r + 1]]
+            alone = kernels().paged_decode(q[r : r + 1].contiguous(), pool_k, pool_v, s, torch.tensor([0, n]), d**-0.5)
+            torch.testing.assert_close(alone, together[r : r + 1], atol=0, rtol=0)
+            want = dense_attention(q[r : r + 1], [(pool_k[s], pool_v[s])], [n - 1], [1], group=group)
+            torch.testing.assert_close(alone, want, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_decode_reads_scattered_slots(dtype, tol):
     """A request's slots in any order anywhere in the pool (a fragmented free list): the same attention."""
