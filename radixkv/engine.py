@@ -33,7 +33,7 @@ from radixkv.model.llama import pack_linears
 from radixkv.model.ops import ops_for_backend
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
-from radixkv.scheduling import Candidate, make_policy
+from radixkv.scheduling import Candidate, admission_order, make_policy
 
 ROLES = ("system", "user", "assistant")
 
@@ -305,11 +305,9 @@ class LLM:
             return []
         cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
                            if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
-        if not getattr(self.policy, "sees_in_flight", False):
-            return [c.request for c in self.policy.order(cands)]
         in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
                      if s.computed < len(s.prompt)]  # prefills whose chunks will cache what they share
-        return [c.request for c in self.policy.order(cands, in_flight)]
+        return [c.request for c in admission_order(self.policy, cands, in_flight)]
 
     def _allocate(self, s: _Seq, n: int) -> bool:
         """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.

@@ -168,9 +168,14 @@ class InBatchPrefixSharing:
     def order(self, waiting: Sequence[Candidate], in_flight: Sequence[Candidate] = ()) -> list[Candidate]:
         scratch, flight = RadixCache(self.page_size), RadixCache(self.page_size)
         slot = 0
-        for c in in_flight:
-            flight.insert(c.tokens, np.arange(slot, slot + len(c.tokens)), c.namespace)
+
+        def add(tree: RadixCache, c: Candidate) -> None:  # a prompt with slots no other holds
+            nonlocal slot
+            tree.insert(c.tokens, np.arange(slot, slot + len(c.tokens)), c.namespace)
             slot += len(c.tokens)
+
+        for c in in_flight:
+            add(flight, c)
         offered = []
         for c in self.inner.order(waiting):
             # [:-1] as match_for_prefill: the last prompt token is always computed, so it is never a hit to wait for
@@ -181,9 +186,17 @@ class InBatchPrefixSharing:
                 continue
             if scratch.match_prefix(c.tokens, c.namespace).length < self.threshold:
                 offered.append(c)
-                scratch.insert(c.tokens, np.arange(slot, slot + len(c.tokens)), c.namespace)
-                slot += len(c.tokens)
+                add(scratch, c)
         return offered
+
+
+def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
+                    in_flight: Sequence[Candidate] = ()) -> list[Candidate]:
+    """``policy.order(waiting)``, passing ``in_flight`` (the running prefills) to a policy that ``sees_in_flight``:
+    the one call the engine and the simulator make, so they rank alike."""
+    if getattr(policy, "sees_in_flight", False):
+        return policy.order(waiting, in_flight)
+    return policy.order(waiting)
 
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "random")

@@ -49,7 +49,7 @@ from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
 from radixkv.config import _is_int, _is_real
 from radixkv.memory import SlotAllocator
-from radixkv.scheduling import Candidate, make_policy
+from radixkv.scheduling import Candidate, admission_order, make_policy
 from radixkv.workloads.request import Request
 
 
@@ -284,12 +284,9 @@ class _Simulation:
         if self.policy.needs_match:
             cands = [Candidate(r, r.prompt, match_for_prefill(self.cache, r.prompt, r.namespace), r.rid, r.namespace)
                      for r in waiting]
-            if getattr(self.policy, "sees_in_flight", False):  # as the engine: prefills still running
-                cands = self.policy.order(cands, [Candidate(s.req, s.req.prompt, None, s.req.rid, s.req.namespace)
-                                                  for s in self.running if s.prefilling])
-            else:
-                cands = self.policy.order(cands)
-            order = [c.request for c in cands]
+            in_flight = [Candidate(s.req, s.req.prompt, None, s.req.rid, s.req.namespace)
+                         for s in self.running if s.prefilling]  # as the engine: prefills still running
+            order = [c.request for c in admission_order(self.policy, cands, in_flight)]
         elif self.policy.name == "fcfs":
             order = waiting  # already in arrival order: no need to rank a long queue every step
         else:
