@@ -229,6 +229,27 @@ def test_small_linear_matches_float32_linear(dtype, tol, rows, bias):
     torch.testing.assert_close(k.small_linear(x, tiles, b), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("n", [40, 56, 96])  # 5, 7 and 12 tiles: groups of 3 with 2, 1 and no tiles left over
+@pytest.mark.parametrize("rows", [4, 6, 8, 12])
+def test_small_linear_in_groups_of_tiles_matches_float32_and_each_block_of_four_keeps_its_bits(n, rows):
+    """Blocks of 4 rows go through groups of 3 tiles (each prefetching the next); a block's outputs are the
+    same bits alone as inside a larger batch, and the rows past the last block go tile by tile."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("small_linear needs AVX2")
+    g = torch.Generator().manual_seed(n * rows)
+    x = torch.randn(rows, 200, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, 200, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g)
+    tiles = w.view(n // 8, 8, 200).transpose(1, 2).contiguous()
+    got = k.small_linear(x, tiles, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b).to(torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    for m0 in range(0, rows - rows % 4, 4):
+        alone = k.small_linear(x[m0 : m0 + 4], tiles, b)
+        assert torch.equal(alone.view(torch.int16), got[m0 : m0 + 4].view(torch.int16)), m0
+
+
 def test_small_linear_rounds_to_nearest_even_in_bfloat16():
     """An identity weight returns x exactly; halfway sums round to even as c10::BFloat16 does."""
     k = kernels()
