@@ -540,10 +540,23 @@ inline void pv_pass(const float* const* p, const T* v, int64_t row, const int64_
   for (int h = 0; h < HB; ++h)
     RADIXKV_UNROLL
     for (int c = 0; c < C; ++c) o[h][c] = _mm256_setzero_ps();
-  pv_accumulate<HB, C>(p, n, [&](int64_t t) {
+  // The weights first, then one V vector at a time: 12 accumulators, 3 weights and 1 vector fill the 16
+  // registers. Through pv_accumulate (all C vectors first: 17) one accumulator lived on the stack, and
+  // 30 layers' attention at batch 8 took 11.71 ms against 10.98 with the K/V in L3 (16.75 against 16.50
+  // from DRAM); the same bits.
+  for (int64_t t = 0; t < n; ++t) {
     if (t + kDecodePrefetchV < n) prefetch_row(v + slots[t + kDecodePrefetchV] * row, 8 * C * sizeof(T));
-    return v + slots[t] * row;
-  }, o);
+    const T* vr = v + slots[t] * row;
+    __m256 w[HB];
+    RADIXKV_UNROLL
+    for (int h = 0; h < HB; ++h) w[h] = _mm256_broadcast_ss(p[h] + t);
+    RADIXKV_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = load8(vr + 8 * c);
+      RADIXKV_UNROLL
+      for (int h = 0; h < HB; ++h) o[h][c] = _mm256_fmadd_ps(w[h], vv, o[h][c]);
+    }
+  }
   RADIXKV_UNROLL
   for (int h = 0; h < HB; ++h)
     RADIXKV_UNROLL
