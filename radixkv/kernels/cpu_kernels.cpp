@@ -428,19 +428,35 @@ inline float softmax_row(float* s, int64_t n, int64_t padded, float* max_out = n
 }
 
 // acc[r][c] += sum_{t < n} p[r][t] * row(t)[8c .. 8c + 8): the P.V loop that prefill (float32 rows) and
-// decode (16-bit rows straight from the pool) share; row(t) returns a pointer that load8 reads.
+// decode (16-bit rows straight from the pool) share; row(t) returns a pointer that load8 reads. Each step
+// holds the fewer of its R weights and C vectors in registers and streams the other, so R * C accumulators
+// + min(R, C) + 1 fit the 16 registers: decode's 3 x 4 held all 4 vectors (17) and kept an accumulator on
+// the stack, and 30 layers' attention at batch 8 took 11.71 ms against 10.98 with the K/V in L3 (16.75
+// against 16.50 from DRAM). Either order sums each accumulator over t alike: the same bits.
 template <int R, int C, typename Row>
 inline void pv_accumulate(const float* const* p, int64_t n, Row row, __m256 (&acc)[R][C]) {
   for (int64_t t = 0; t < n; ++t) {
     const auto* vr = row(t);
-    __m256 vv[C];
-    RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) vv[c] = load8(vr + 8 * c);
-    RADIXKV_UNROLL
-    for (int j = 0; j < R; ++j) {
-      const __m256 w = _mm256_broadcast_ss(p[j] + t);
+    if constexpr (R < C) {
+      __m256 w[R];
       RADIXKV_UNROLL
-      for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(w, vv[c], acc[j][c]);
+      for (int j = 0; j < R; ++j) w[j] = _mm256_broadcast_ss(p[j] + t);
+      RADIXKV_UNROLL
+      for (int c = 0; c < C; ++c) {
+        const __m256 vv = load8(vr + 8 * c);
+        RADIXKV_UNROLL
+        for (int j = 0; j < R; ++j) acc[j][c] = _mm256_fmadd_ps(w[j], vv, acc[j][c]);
+      }
+    } else {
+      __m256 vv[C];
+      RADIXKV_UNROLL
+      for (int c = 0; c < C; ++c) vv[c] = load8(vr + 8 * c);
+      RADIXKV_UNROLL
+      for (int j = 0; j < R; ++j) {
+        const __m256 w = _mm256_broadcast_ss(p[j] + t);
+        RADIXKV_UNROLL
+        for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(w, vv[c], acc[j][c]);
+      }
     }
   }
 }
@@ -540,23 +556,10 @@ inline void pv_pass(const float* const* p, const T* v, int64_t row, const int64_
   for (int h = 0; h < HB; ++h)
     RADIXKV_UNROLL
     for (int c = 0; c < C; ++c) o[h][c] = _mm256_setzero_ps();
-  // The weights first, then one V vector at a time: 12 accumulators, 3 weights and 1 vector fill the 16
-  // registers. Through pv_accumulate (all C vectors first: 17) one accumulator lived on the stack, and
-  // 30 layers' attention at batch 8 took 11.71 ms against 10.98 with the K/V in L3 (16.75 against 16.50
-  // from DRAM); the same bits.
-  for (int64_t t = 0; t < n; ++t) {
+  pv_accumulate<HB, C>(p, n, [&](int64_t t) {
     if (t + kDecodePrefetchV < n) prefetch_row(v + slots[t + kDecodePrefetchV] * row, 8 * C * sizeof(T));
-    const T* vr = v + slots[t] * row;
-    __m256 w[HB];
-    RADIXKV_UNROLL
-    for (int h = 0; h < HB; ++h) w[h] = _mm256_broadcast_ss(p[h] + t);
-    RADIXKV_UNROLL
-    for (int c = 0; c < C; ++c) {
-      const __m256 vv = load8(vr + 8 * c);
-      RADIXKV_UNROLL
-      for (int h = 0; h < HB; ++h) o[h][c] = _mm256_fmadd_ps(w[h], vv, o[h][c]);
-    }
-  }
+    return v + slots[t] * row;
+  }, o);
   RADIXKV_UNROLL
   for (int h = 0; h < HB; ++h)
     RADIXKV_UNROLL
@@ -910,13 +913,17 @@ constexpr int64_t kWeightPrefetch = 2048;
 // Rows per block of x: linear_group multiplies whole blocks, linear_tile the last, shorter one.
 constexpr int kRowBlock = 4;
 
+// Independent partial sums per output for a block of mb rows (fewer rows leave FMA latency to hide); a
+// whole block sums in one chain, as linear_group does. linear_tile and coded_tile both take it, so the
+// codes give small_linear's bits.
+constexpr int partial_sums(int mb) { return mb >= kRowBlock ? 1 : (mb >= 2 ? 4 : 8); }
+
 // MB rows of x against one tile. x is the row block interleaved, x[i * MB + m] = row m's element i, so each
 // step's MB broadcasts read one run of MB floats; as MB row-major rows (MB streams k floats apart) the
-// same 30 layers took 24.7 ms instead of 19.3. U independent partial sums per row hide FMA latency (a
-// whole block sums in one chain, as linear_group does: coded_tile takes the same U to give its bits).
+// same 30 layers took 24.7 ms instead of 19.3. U = partial_sums(MB) independent sums per row hide FMA latency.
 template <typename T, int MB>
 inline void linear_tile(const float* x, const T* tile, int64_t k, const float* bias, T* y, int64_t ldy) {
-  constexpr int U = MB >= kRowBlock ? 1 : (MB >= 2 ? 4 : 8);
+  constexpr int U = partial_sums(MB);
   constexpr int kLine = 64 / (8 * int(sizeof(T)));  // steps of i per cache line of the tile
   constexpr int S = U > kLine ? U : kLine;          // steps per iteration: whole lines and whole U
   __m256 acc[MB][U];
@@ -1102,7 +1109,7 @@ constexpr int64_t kCodePrefetch = 1024;
 template <typename T, int MB>
 inline void coded_tile(const float* x, const uint8_t* codes, const c10::Half* scale, const c10::Half* offset,
                        int64_t k, const float* bias, T* y, int64_t ldy) {
-  constexpr int U = MB >= kRowBlock ? 1 : (MB >= 2 ? 4 : 8);  // linear_tile's partial sums
+  constexpr int U = partial_sums(MB);  // linear_tile's, for its bits
   const __m256i low = _mm256_set1_epi32(0xf);
   __m256 acc[MB][U];
   RADIXKV_UNROLL
