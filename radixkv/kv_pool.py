@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixkv import hugepages
+
 
 class KVPool:
     """K and V tensors of every layer, one row per KV slot.
@@ -46,8 +48,13 @@ class KVPool:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
         shape = (self.num_slots, num_kv_heads, head_dim)
         # k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        if self.device.type == "cpu":  # one buffer in huge pages: decode streams all of it (radixkv.hugepages)
+            kv = hugepages.zeros((num_layers, 2, *shape), dtype)  # [layer, K or V, slot, head, dim]
+            self.k = [kv[i, 0] for i in range(num_layers)]
+            self.v = [kv[i, 1] for i in range(num_layers)]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @property
     def num_slots(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixkv import hugepages
 from radixkv.attention.base import AttentionBackend
 from radixkv.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.kv_pool import KVPool
@@ -295,7 +296,23 @@ def pack_linears(model: nn.Module) -> int:
             packed = getattr(parent, name)
             weight = packed.weight()  # None where the layer has no tiles (out_features % 8 != 0)
             packed.coded = None if weight is None else rows.tiles(weight)
+    _tiles_to_huge_pages([getattr(parent, name) for parent, name, _ in targets])
     return len(targets)
+
+
+def _tiles_to_huge_pages(layers: list[PackedLinear]) -> None:
+    """Move the decode kernels' tiles and codes of ``layers`` into one huge-page buffer (``radixkv.hugepages``).
+
+    A decode step streams all of them; in 4 KiB pages the loads wait on page walks.
+    """
+    tiled = [m for m in layers if m.tiles is not None]
+    coded = [m for m in tiled if m.coded is not None]
+    moved = iter(hugepages.pack([m.tiles for m in tiled] +
+                                [t for m in coded for t in (m.coded.codes, m.coded.scale, m.coded.offset)]))
+    for m in tiled:
+        m.tiles = next(moved)
+    for m in coded:
+        m.coded = CodedTiles(next(moved), next(moved), next(moved))
 
 
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
