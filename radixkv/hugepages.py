@@ -11,8 +11,9 @@ Measured on the project's 2-core EPYC, old and new alternating in one process:
 a batch-8 decode step took 34.05 against 33.06 ms, batch 1 13.28 against 13.09
 (docs/experiments.md, twelfth round).
 
-Where the platform has no ``MADV_HUGEPAGE`` (not Linux), or THP is off, the
-memory is ordinary pages: the same tensors, only the speed differs.
+Where THP is off, the memory is ordinary pages; where the platform has no
+``MADV_HUGEPAGE`` (not Linux), the helpers are plain ``torch`` calls: the same
+tensors either way, only the speed differs.
 Below ``MIN_BYTES`` the helpers return plain ``torch`` tensors, so small
 pools (tests, notebooks) do not round up to whole 2 MiB pages.
 """
@@ -27,21 +28,24 @@ import torch
 HUGE_PAGE = 2 << 20
 MIN_BYTES = HUGE_PAGE
 ALIGN = 4096  # where pack() starts each tensor: a page boundary
+# Linux only (None elsewhere: Windows, macOS), where the helpers are plain torch calls.
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def _advised_bytes(nbytes: int) -> torch.Tensor:
+def _advised_bytes(nbytes: int) -> torch.Tensor | None:
     """A zero-filled uint8 CPU tensor of ``nbytes`` (rounded up to whole huge pages) in advised memory.
 
     The tensor keeps the mapping alive; the mapping is freed with its last view.
+    None where memory cannot be advised here (the caller allocates plainly).
     """
+    if _ADVICE is None or nbytes < MIN_BYTES:
+        return None
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            buf.madvise(advice)
-        except OSError:  # THP compiled out or refused: ordinary pages, same contents
-            pass
+    try:
+        buf.madvise(_ADVICE)
+    except OSError:  # THP compiled out or refused: ordinary pages, same contents
+        pass
     return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
 
 
@@ -53,10 +57,10 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < MIN_BYTES:
+    buf = _advised_bytes(numel * torch.empty((), dtype=dtype).element_size())
+    if buf is None:
         return torch.zeros(tuple(shape), dtype=dtype)
-    return _advised_bytes(nbytes).view(dtype).view(tuple(shape))
+    return buf.view(dtype).view(tuple(shape))
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -71,9 +75,9 @@ def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for n in sizes:
         starts.append(end)
         end += -(-n // ALIGN) * ALIGN
-    if end < MIN_BYTES:
-        return [t.contiguous().clone() for t in tensors]
     buf = _advised_bytes(end)
+    if buf is None:
+        return [t.contiguous().clone() for t in tensors]
     out = []
     for t, start, n in zip(tensors, starts, sizes, strict=True):
         view = buf[start:start + n].view(t.dtype).view(t.shape)
