@@ -20,6 +20,7 @@ pools (tests, notebooks) do not round up to whole 2 MiB pages.
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -54,10 +55,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
     The pages are faulted in (zeroed by the OS) on first write, 2 MiB at a time where granted.
     """
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    buf = _advised_bytes(numel * torch.empty((), dtype=dtype).element_size())
+    buf = _advised_bytes(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
     if buf is None:
         return torch.zeros(tuple(shape), dtype=dtype)
     return buf.view(dtype).view(tuple(shape))

@@ -48,13 +48,12 @@ class KVPool:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
         shape = (self.num_slots, num_kv_heads, head_dim)
         # k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        if self.device.type == "cpu":  # one buffer in huge pages: decode streams all of it (radixkv.hugepages)
-            kv = hugepages.zeros((num_layers, 2, *shape), dtype)  # [layer, K or V, slot, head, dim]
-            self.k = [kv[i, 0] for i in range(num_layers)]
-            self.v = [kv[i, 1] for i in range(num_layers)]
-        else:
-            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        full = (num_layers, 2, *shape)  # [layer, K or V, slot, head, dim], one buffer
+        # on the CPU in huge pages: decode streams all of it (radixkv.hugepages)
+        kv = hugepages.zeros(full, dtype) if self.device.type == "cpu" else torch.zeros(full, dtype=dtype,
+                                                                                          device=self.device)
+        self.k = [kv[i, 0] for i in range(num_layers)]
+        self.v = [kv[i, 1] for i in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
