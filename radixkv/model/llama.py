@@ -160,7 +160,8 @@ class DecoderLayer(nn.Module):
     def small_linear_weights(self) -> tuple[dict[str, Any], int] | None:
         """The layer's norm weights and its ``PackedLinear``s by name, and the most rows their tiles serve
         (``PackedLinear.small_rows``); None unless every linear layer has tiles (``pack_linears`` on a
-        16-bit model on an AVX2 CPU). For running the layer outside Python (``CpuKernelOps.run_layers``)."""
+        16-bit model on a CPU with AVX2, AVX-512 ones included). For running the layer outside Python
+        (``CpuKernelOps.run_layers``)."""
         linears = {"qkv": self.self_attn.qkv_proj, "o": self.self_attn.o_proj,
                    "gate_up": self.mlp.gate_up_proj, "down": self.mlp.down_proj}
         if not all(isinstance(m, PackedLinear) and m.tiles is not None for m in linears.values()):
@@ -178,6 +179,9 @@ class _Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+SMALL_DTYPES = (torch.bfloat16, torch.float16)  # the weight dtypes small_linear's tiles hold
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight oneDNN has reordered into its blocked CPU layout once, at load time.
 
@@ -190,11 +194,16 @@ class PackedLinear(nn.Module):
     16-bit matrix instructions, where oneDNN and MKL emulate 16-bit GEMMs
     about 4x slower than float32 ones (measured on an AVX2-only EPYC: oneDNN
     float32 139 GFLOP/s against 15 for bfloat16 at 150 rows).
-    Decode batches (at most ``small_rows`` tokens) of such an upcast layer
-    go through ``small_kernels.small_linear`` instead when given (the
-    compiled AVX2 kernel reading the 16-bit weights, repacked into
-    ``tiles`` ``[out / 8, in, 8]``): a float32 copy would double what each
-    decode step streams, and oneDNN's float32 GEMM is far from peak at 1-8 rows.
+    Decode batches (at most ``small_rows`` tokens) of a 16-bit layer go
+    through ``small_kernels.small_linear`` instead when given (the compiled
+    AVX2 kernel reading the 16-bit weights, repacked into ``tiles``
+    ``[out / 8, in, 8]``, accumulating in float32), whichever dtype oneDNN
+    multiplies larger batches in: where it upcasts, a float32 copy would
+    double what each decode step streams and its float32 GEMM is far from
+    peak at 1-8 rows; where it multiplies bfloat16 natively it was slower
+    still at decode sizes (a 2-core Zen 4, AVX-512 BF16 without AMX, whole
+    decode steps alternating in one process: batch 1 33.0 -> 14.9 ms,
+    batch 8 56.5 -> 40.5 ms with ``small_linear``).
     Where the weights were dequantized from a GGUF Q4_1 file, ``coded``
     holds their exact 4-bit codes (``radixkv.model.coded``, set by
     ``pack_linears``), which ``small_kernels.coded_linear`` multiplies for
@@ -219,11 +228,12 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
-        self.small_kernels, self.small_rows, self.tiles = None, small_rows, None
+        self.small_kernels, self.small_rows, self.tiles, self.small_bias = None, small_rows, None, None
         self.coded: CodedTiles | None = None
         self.coded_rows = self.CODED_ROWS
-        if small_kernels is not None and self.compute_dtype != self.dtype and self.out_features % 8 == 0:
+        if small_kernels is not None and self.dtype in SMALL_DTYPES and self.out_features % 8 == 0:
             self.small_kernels = small_kernels
+            self.small_bias = None if linear.bias is None else linear.bias.detach().float()
             n, k = weight.shape
             self.tiles = weight.view(n // 8, 8, k).transpose(1, 2).contiguous()  # [out / 8, in, 8]
 
@@ -234,7 +244,7 @@ class PackedLinear(nn.Module):
     def small_linear_args(self) -> dict[str, Any]:
         """Keyword arguments of the kernels' ``TiledLinear`` for this layer (it must have tiles)."""
         c = self.coded
-        return {"tiles": self.tiles, "bias": self.bias, "codes": c and c.codes, "scale": c and c.scale,
+        return {"tiles": self.tiles, "bias": self.small_bias, "codes": c and c.codes, "scale": c and c.scale,
                 "offset": c and c.offset, "coded_rows": self.coded_rows}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +252,8 @@ class PackedLinear(nn.Module):
         if self.small_kernels is not None and x.shape[0] <= self.small_rows:
             if self.coded is not None and x.shape[0] <= self.coded_rows:
                 c = self.coded
-                return self.small_kernels.coded_linear(x, c.codes, c.scale, c.offset, self.bias)
-            return self.small_kernels.small_linear(x, self.tiles, self.bias)  # bias: float32 here
+                return self.small_kernels.coded_linear(x, c.codes, c.scale, c.offset, self.small_bias)
+            return self.small_kernels.small_linear(x, self.tiles, self.small_bias)
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
         return y.to(self.dtype)
 
@@ -279,7 +289,7 @@ def pack_linears(model: nn.Module) -> int:
     if compute is None:
         return 0
     small = None
-    if compute != next(model.parameters()).dtype and cpu_kernels_unavailable_reason() is None:
+    if cpu_kernels_unavailable_reason() is None:
         kernels = load_cpu_kernels()
         small = kernels if kernels.has_avx2() else None
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
