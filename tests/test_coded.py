@@ -108,8 +108,12 @@ def test_q4rows_rebuilds_rows_by_value_and_refuses_other_weights(tmp_path, dtype
 @pytest.mark.parametrize("bias", [False, True])
 def test_coded_linear_gives_small_linears_bits(dtype, k, bias):
     """coded_linear from the codes equals small_linear from the 16-bit weights they rebuild, bit for bit, at
-    every row count (each register blocking, and a second block of 8 rows)."""
+    every row count (each register blocking, and a second block of 8 rows) where both sum in float32 FMA
+    chains. On AVX-512 BF16 CPUs small_linear multiplies bfloat16 blocks of 4 rows in BF16 dot products
+    (other bits), which coded_linear does not: there those rows only agree to rounding (the engine uses the
+    codes for at most PackedLinear.CODED_ROWS rows, fewer than a block)."""
     kernels = _avx2_kernels()
+    dot_products = kernels.has_avx512_bf16() and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(k)
     n = 24
     codes, d, m = _random_q4(n, k, gen)
@@ -124,7 +128,12 @@ def test_coded_linear_gives_small_linears_bits(dtype, k, bias):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         want = kernels.small_linear(x, tiled(w), b)
         got = kernels.coded_linear(x, tiled(pairs), tiled(d), tiled(m), b)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
+        if dot_products and rows >= 4:
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            tail = rows % 4  # the rows past the last block go through the FMA tiles in both
+            assert torch.equal(got[rows - tail:].view(torch.int16), want[rows - tail:].view(torch.int16)), rows
+        else:
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.coded_linear(torch.zeros(1, 40, dtype=dtype), tiled(pairs), tiled(d), tiled(m), b)
 

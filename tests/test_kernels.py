@@ -231,17 +231,19 @@ def test_small_linear_matches_float32_linear(dtype, tol, rows, bias):
 
 @pytest.mark.parametrize("n", [40, 56, 96])  # 5, 7 and 12 tiles: groups of 3 with 2, 1 and no tiles left over
 @pytest.mark.parametrize("rows", [4, 6, 8, 12])
-def test_small_linear_in_groups_of_tiles_matches_float32_and_each_block_of_four_keeps_its_bits(n, rows):
-    """Blocks of 4 rows go through groups of 3 tiles (each prefetching the next); a block's outputs are the
-    same bits alone as inside a larger batch, and the rows past the last block go tile by tile."""
+@pytest.mark.parametrize("width", [200, 198])  # on AVX-512 BF16 CPUs: 4 k per dot-product step, and the FMA path
+def test_small_linear_in_groups_of_tiles_matches_float32_and_each_block_of_four_keeps_its_bits(n, rows, width):
+    """Blocks of 4 rows go through groups of 3 tiles (each prefetching the next; in BF16 dot products where the
+    CPU has them and the width is a multiple of 4); a block's outputs are the same bits alone as inside a
+    larger batch, and the rows past the last block go tile by tile."""
     k = kernels()
     if not k.has_avx2():
         pytest.skip("small_linear needs AVX2")
     g = torch.Generator().manual_seed(n * rows)
-    x = torch.randn(rows, 200, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, 200, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, width, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g)
-    tiles = w.view(n // 8, 8, 200).transpose(1, 2).contiguous()
+    tiles = w.view(n // 8, 8, width).transpose(1, 2).contiguous()
     got = k.small_linear(x, tiles, b)
     want = torch.nn.functional.linear(x.float(), w.float(), b).to(torch.bfloat16)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

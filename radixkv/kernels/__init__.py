@@ -11,9 +11,10 @@ and ``coded_linear`` (the same outputs from exact 4-bit codes of those
 weights, ``radixkv.model.coded``);
 its comments document shapes and dtypes. Each has an AVX2 path with FMA and
 F16C (float32 arithmetic on any storage dtype; CPUs such as Zen 3 have no
-16-bit matrix instructions, and on AVX-512 CPUs these paths measured faster
-for decode than bfloat16 dot products) and portable loops, and
-``paged_prefill`` also an AVX-512 BF16 path (bfloat16 dot products); ``has_avx512_bf16()``,
+16-bit matrix instructions, and on AVX-512 CPUs decode attention measured
+faster this way than in bfloat16 dot products) and portable loops;
+``paged_prefill`` also has an AVX-512 BF16 path, and ``small_linear``
+multiplies bfloat16 blocks of 4 rows in BF16 dot products there; ``has_avx512_bf16()``,
 ``has_avx2()`` and ``prefill_supported(dtype, head_dim)`` say which were
 compiled in. It is built with
 ``torch.utils.cpp_extension`` the first time it is asked for (about 25 s on

@@ -954,6 +954,64 @@ __attribute__((noinline)) void linear_group(const float* x, const T* tiles, int6
   }
 }
 
+#ifdef RADIXKV_AVX512_BF16
+// The word order that turns four k-rows of one tile (32 bfloat16, k-row r's output o at r * 8 + o) into 16
+// BF16 pairs: lane 2o + h holds (w[2h][o], w[2h + 1][o]), two k of output o, so that a 64-bit broadcast of
+// x's four values there, (x0, x1) in even lanes and (x2, x3) in odd ones, lines up with them.
+inline __m512i quad_pairs_index() {
+  alignas(64) int16_t idx[32];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int o = lane / 2, h = lane % 2;
+    idx[2 * lane] = static_cast<int16_t>(2 * h * 8 + o);
+    idx[2 * lane + 1] = static_cast<int16_t>((2 * h + 1) * 8 + o);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// linear_group for bfloat16 on CPUs with AVX-512 BF16: the same block of kRowBlock rows (x row-major, ldx
+// apart) against NC tiles, four k at a time in BF16 dot products (VDPBF16PS: two exact products added into
+// a float32 lane per instruction), the weights' words reordered in registers so the tiles keep their layout.
+// Each output sums k = 0, 1 (mod 4) in one lane and k = 2, 3 in the next, added at the end: other bits
+// than the FMA chain, the same for a block alone as inside a batch. On a 2-core Zen 4 a VDPBF16PS retires
+// 4x the float32 FMA's flops (one thread: 460 against 113 GFLOP/s), and the FMA version of this loop ran at
+// half that FMA peak.
+template <int NC>
+__attribute__((noinline)) void linear_group_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tiles,
+                                                 int64_t k, const float* bias, c10::BFloat16* y, int64_t ldy,
+                                                 GroupPrefetch& pf) {
+  const __m512i perm = quad_pairs_index();
+  __m512 acc[kRowBlock][NC];
+  RADIXKV_UNROLL
+  for (int m = 0; m < kRowBlock; ++m)
+    RADIXKV_UNROLL
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 4) {
+    if ((i & 7) == 0) pf.every8();
+    __m512bh w[NC];
+    RADIXKV_UNROLL
+    for (int c = 0; c < NC; ++c)
+      w[c] = (__m512bh)_mm512_permutexvar_epi16(perm, _mm512_loadu_si512(tiles + (c * k + i) * 8));
+    RADIXKV_UNROLL
+    for (int m = 0; m < kRowBlock; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(x + m * ldx + i)));
+      RADIXKV_UNROLL
+      for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xb, w[c]);
+    }
+  }
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  RADIXKV_UNROLL
+  for (int c = 0; c < NC; ++c) {
+    __m256 col[kRowBlock][1];
+    RADIXKV_UNROLL
+    for (int m = 0; m < kRowBlock; ++m) {  // lane 2o + its neighbour: output o; then the 8 outputs in order
+      const __m512 sums = _mm512_add_ps(acc[m][c], _mm512_permute_ps(acc[m][c], 0xB1));
+      col[m][0] = _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, sums));
+    }
+    store_sums<c10::BFloat16, kRowBlock, 1>(col, bias != nullptr ? bias + 8 * c : nullptr, y + 8 * c, ldy);
+  }
+}
+#endif
+
 // f(m0, std::integral_constant<int, MB>) for each block of at most kRowBlock of rows rows starting at row
 // m0, so the tile kernels get their row count as a template argument.
 template <typename F>
@@ -1035,6 +1093,17 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const float* xb = xf.get() + blk * kRowBlock * k;
         T* yb = y + blk * kRowBlock * n + t0 * 8;
+#ifdef RADIXKV_AVX512_BF16
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (k % 4 == 0) {
+            const T* xr = x + blk * kRowBlock * k;
+            if (nc == 3) linear_group_bf16<3>(xr, k, group, k, b, yb, n, pf);
+            else if (nc == 2) linear_group_bf16<2>(xr, k, group, k, b, yb, n, pf);
+            else linear_group_bf16<1>(xr, k, group, k, b, yb, n, pf);
+            continue;
+          }
+        }
+#endif
         if (nc == 3) linear_group<T, 3>(xb, group, k, b, yb, n, pf);
         else if (nc == 2) linear_group<T, 2>(xb, group, k, b, yb, n, pf);
         else linear_group<T, 1>(xb, group, k, b, yb, n, pf);

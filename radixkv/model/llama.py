@@ -203,7 +203,8 @@ class PackedLinear(nn.Module):
     peak at 1-8 rows; where it multiplies bfloat16 natively it was slower
     still at decode sizes (a 2-core Zen 4, AVX-512 BF16 without AMX, whole
     decode steps alternating in one process: batch 1 33.0 -> 14.9 ms,
-    batch 8 56.5 -> 40.5 ms with ``small_linear``).
+    batch 8 56.5 -> 40.5 ms with ``small_linear``; its bfloat16 blocks of 4
+    rows in BF16 dot products there then took batch 8 to 26.1 ms).
     Where the weights were dequantized from a GGUF Q4_1 file, ``coded``
     holds their exact 4-bit codes (``radixkv.model.coded``, set by
     ``pack_linears``), which ``small_kernels.coded_linear`` multiplies for
