@@ -143,6 +143,44 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t
   }
 }
 
+// Scores of 4 query rows (qr: their BF16 pairs) against NT consecutive tiles of 16 packed tokens (kp: the
+// first tile, tiles 16 * half pairs apart), scaled, into rows ld apart of dst (the first nr rows). Each
+// score sums even pairs in one accumulator and odd ones in another, added at the end; NT tiles share each
+// query broadcast, so a step loads 2 NT + 8 vectors for 8 NT dot products (with one tile 10 for 8).
+template <int64_t half, int NT>
+inline void score_tiles(const uint32_t* const* qr, const uint32_t* kp, int64_t nr, float scale, float* dst,
+                        int64_t ld) {
+  __m512 a[4][NT][2];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) a[j][t][0] = a[j][t][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t c = 0; c < half; c += 2) {
+    __m512bh k0[NT], k1[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      k0[t] = (__m512bh)_mm512_loadu_si512(kp + t * 16 * half + c * 16);
+      k1[t] = (__m512bh)_mm512_loadu_si512(kp + t * 16 * half + (c + 1) * 16);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh q0 = (__m512bh)_mm512_set1_epi32(qr[j][c]), q1 = (__m512bh)_mm512_set1_epi32(qr[j][c + 1]);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        a[j][t][0] = _mm512_dpbf16_ps(a[j][t][0], q0, k0[t]);
+        a[j][t][1] = _mm512_dpbf16_ps(a[j][t][1], q1, k1[t]);
+      }
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t)
+      if (j < nr) _mm512_storeu_ps(dst + j * ld + t * 16, _mm512_mul_ps(_mm512_add_ps(a[j][t][0], a[j][t][1]), s));
+}
+
 template <int64_t d>  // head_dim at compile time: the loops unroll and the accumulators stay in registers
 void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* kv_idx,
                          const int64_t* kv_indptr, const int64_t* qo_indptr, uint16_t* out, int64_t reqs,
@@ -190,31 +228,17 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
         return reinterpret_cast<const uint32_t*>(q + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d);
       };
       for (int64_t row = 0; row < rows; ++row) count[row] = prefix + tk.i0 + row / group + 1;
-      // scores, four rows at a time (two accumulators each, to hide the instruction's latency)
+      // scores, four rows at a time against NT tiles of 16 tokens (two accumulators each, alternate pairs)
       for (int64_t row0 = 0; row0 < rows; row0 += 4) {
         const int64_t nr = std::min<int64_t>(4, rows - row0);
         const uint32_t* qr[4];
         for (int64_t j = 0; j < 4; ++j) qr[j] = qrow(row0 + std::min(j, nr - 1));
         const int64_t row_tiles = (count[row0 + nr - 1] + 15) / 16;
-        for (int64_t tile = 0; tile < row_tiles; ++tile) {
-          const uint32_t* kp = ktp + tile * 16 * half;
-          __m512 a[4][2];
-#pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-          for (int64_t c = 0; c < half; c += 2) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + c * 16);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (c + 1) * 16);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j) {
-              a[j][0] = _mm512_dpbf16_ps(a[j][0], (__m512bh)_mm512_set1_epi32(qr[j][c]), k0);
-              a[j][1] = _mm512_dpbf16_ps(a[j][1], (__m512bh)_mm512_set1_epi32(qr[j][c + 1]), k1);
-            }
-          }
-          for (int64_t j = 0; j < nr; ++j)
-            _mm512_storeu_ps(sbuf.data() + (row0 + j) * tiles * 16 + tile * 16,
-                             _mm512_mul_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_set1_ps(scale)));
-        }
+        int64_t tile = 0;
+        for (; tile + 3 <= row_tiles; tile += 3) score_tiles<half, 3>(qr, ktp + tile * 16 * half, nr, scale,
+                                                                      sbuf.data() + row0 * tiles * 16 + tile * 16, tiles * 16);
+        for (; tile < row_tiles; ++tile) score_tiles<half, 1>(qr, ktp + tile * 16 * half, nr, scale,
+                                                               sbuf.data() + row0 * tiles * 16 + tile * 16, tiles * 16);
       }
       // exact softmax per row over its visible tokens; P as bf16 pairs, unnormalized
       std::vector<float> inv_sum(rows);
@@ -243,34 +267,33 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
           const __mmask16 mask = row_pairs - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (row_pairs - t)) - 1);
           _mm512_mask_storeu_epi32(pr + t, mask, both);
         }
-        if (row_pairs < pairs) pr[row_pairs] = 0;  // a row pair's P.V runs to its longer row's last pair
+        std::fill(pr + row_pairs, pr + pairs, 0u);  // a block's P.V runs to its longest row's last pair
       }
-      // P.V, two rows at a time
-      for (int64_t row0 = 0; row0 < rows; row0 += 2) {
-        const int64_t nr = std::min<int64_t>(2, rows - row0);
-        const uint32_t* p0 = pbuf.data() + row0 * pairs;
-        const uint32_t* p1 = pbuf.data() + (row0 + nr - 1) * pairs;
+      // P.V, four rows at a time (sixteen accumulators at head_dim 64, to hide the instruction's latency)
+      for (int64_t row0 = 0; row0 < rows; row0 += 4) {
+        const int64_t nr = std::min<int64_t>(4, rows - row0);
+        const uint32_t* p[4];
+        for (int64_t j = 0; j < 4; ++j) p[j] = pbuf.data() + (row0 + std::min(j, nr - 1)) * pairs;
         const int64_t row_pairs = (count[row0 + nr - 1] + 1) / 2;
-        __m512 a0[vecs], a1[vecs];
+        __m512 a[4][vecs];
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < vecs; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < vecs; ++c) a[0][c] = a[1][c] = a[2][c] = a[3][c] = _mm512_setzero_ps();
         for (int64_t m = 0; m < row_pairs; ++m) {
-          const __m512bh w0 = (__m512bh)_mm512_set1_epi32(p0[m]), w1 = (__m512bh)_mm512_set1_epi32(p1[m]);
+          __m512bh w[4];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_set1_epi32(p[j][m]);
 #pragma GCC unroll 8
           for (int64_t c = 0; c < vecs; ++c) {
             const __m512bh vv = (__m512bh)_mm512_loadu_si512(vpp + m * d + c * 16);
-            a0[c] = _mm512_dpbf16_ps(a0[c], w0, vv);
-            a1[c] = _mm512_dpbf16_ps(a1[c], w1, vv);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) a[j][c] = _mm512_dpbf16_ps(a[j][c], w[j], vv);
           }
         }
-        // Only constant indices into a0 / a1 (a runtime choice between them kept both arrays on the
-        // stack, stored every iteration of the loop above): spill the sums once, then round each row.
-        alignas(64) float sums[2][d];
+        alignas(64) float sums[4][d];
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < vecs; ++c) {
-          _mm512_store_ps(sums[0] + c * 16, a0[c]);
-          _mm512_store_ps(sums[1] + c * 16, a1[c]);
-        }
+        for (int64_t c = 0; c < vecs; ++c)
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) _mm512_store_ps(sums[j] + c * 16, a[j][c]);
         for (int64_t j = 0; j < nr; ++j) {
           const int64_t row = row0 + j, i = tk.i0 + row / group, g = row % group;
           uint16_t* o = out + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d;
