@@ -47,6 +47,12 @@ namespace {
 // std::vector would zero it first (batch-8 decode attention's parts: 110 KB a layer).
 inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
+// Grows a scratch buffer to at least n elements; it never shrinks, so a reused one stops faulting pages in.
+template <typename V>
+inline void grow(V& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+}
+
 // ---- portable path ---------------------------------------------------------------------------
 
 template <typename T>
@@ -194,12 +200,19 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
       kt_off[i + 1] = kt_off[i] + (len + 15) / 16 * 16 * half;
       vp_off[i + 1] = vp_off[i] + (len + 1) / 2 * d;
     }
-  std::vector<uint32_t> kt(kt_off.back()), vp(vp_off.back());
+  // The packed K/V and each worker's scores are kept between calls (per calling thread, grown, never freed):
+  // allocated afresh, a step's 30 calls faulted in some 7 MB of pages each.
+  // The workers use the pointers: inside their lambdas the names would be each worker's own thread_locals.
+  static thread_local std::vector<uint32_t> kt_buf, vp_buf;
+  grow(kt_buf, kt_off.back());
+  grow(vp_buf, vp_off.back());
+  uint32_t* const kt = kt_buf.data();
+  uint32_t* const vp = vp_buf.data();
   at::parallel_for(0, reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads;
-      pack_kv(k, v, kv_idx + kv_indptr[r], kv_indptr[r + 1] - kv_indptr[r], h, row_stride, d, kt.data() + kt_off[i],
-              vp.data() + vp_off[i]);
+      pack_kv(k, v, kv_idx + kv_indptr[r], kv_indptr[r + 1] - kv_indptr[r], h, row_stride, d, kt + kt_off[i],
+              vp + vp_off[i]);
     }
   });
   struct Task { int64_t r, h, i0, i1; };
@@ -209,20 +222,20 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
       for (int64_t i0 = 0; i0 < qo_indptr[r + 1] - qo_indptr[r]; i0 += kQueryBlock)
         tasks.push_back({r, h, i0, std::min(i0 + kQueryBlock, qo_indptr[r + 1] - qo_indptr[r])});
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sbuf;
-    std::vector<uint32_t> pbuf;
-    std::vector<int64_t> count;
+    static thread_local std::vector<float> sbuf;
+    static thread_local std::vector<uint32_t> pbuf;
+    static thread_local std::vector<int64_t> count;
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& tk = tasks[ti];
       const int64_t len = kv_indptr[tk.r + 1] - kv_indptr[tk.r], qlen = qo_indptr[tk.r + 1] - qo_indptr[tk.r];
       const int64_t prefix = len - qlen, rows = (tk.i1 - tk.i0) * group;
       const int64_t visible_max = prefix + tk.i1;  // tokens the block's last query sees
       const int64_t tiles = (visible_max + 15) / 16, pairs = (visible_max + 1) / 2;
-      const uint32_t* ktp = kt.data() + kt_off[tk.r * kv_heads + tk.h];
-      const uint32_t* vpp = vp.data() + vp_off[tk.r * kv_heads + tk.h];
-      sbuf.resize(rows * tiles * 16 + 32);  // no clearing: every value read is written first (or masked)
-      pbuf.resize(rows * pairs + 1);
-      count.resize(rows);
+      const uint32_t* ktp = kt + kt_off[tk.r * kv_heads + tk.h];
+      const uint32_t* vpp = vp + vp_off[tk.r * kv_heads + tk.h];
+      grow(sbuf, rows * tiles * 16 + 32);  // no clearing: every value read is written first (or masked)
+      grow(pbuf, rows * pairs + 1);
+      grow(count, rows);
       auto qrow = [&](int64_t row) {  // query row -> its bf16 pairs
         const int64_t i = tk.i0 + row / group, g = row % group;
         return reinterpret_cast<const uint32_t*>(q + ((qo_indptr[tk.r] + i) * heads + tk.h * group + g) * d);
@@ -709,12 +722,6 @@ inline void transpose8(__m256 (&r)[8]) {
 }
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// Grows a scratch buffer to at least n elements; it never shrinks, so a reused one stops faulting pages in.
-template <typename V>
-inline void grow(V& buf, size_t n) {
-  if (buf.size() < n) buf.resize(n);
-}
 
 // KV head h of tokens slots[0:len), widened: kt in tiles of 8 tokens, kt[tile][c][j] = k[8 tile + j][c],
 // zero-padded to a multiple of kScoreTokens tokens; vf[t][c] = v[t][c]. d % 8 == 0.
