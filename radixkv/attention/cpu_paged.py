@@ -78,7 +78,8 @@ class CpuPagedBackend(TorchReferenceBackend):
         if prefills:
             indices, indptr = csr([np.asarray(batch.slots[r]) for r in prefills])
             qo_indptr = torch.from_numpy(np.cumsum([0] + [batch.new_lens[r] for r in prefills], dtype=np.int64))
-            self._prefills = (indices, indptr, qo_indptr, torch.from_numpy(batch.query_rows(prefills)))
+            rows = None if not decodes else torch.from_numpy(batch.query_rows(prefills))  # None: every row, in order
+            self._prefills = (indices, indptr, qo_indptr, rows)
 
     def decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(kv_indices, kv_indptr)`` of the planned step when it is decodes only (request b's query is row b),
@@ -93,14 +94,19 @@ class CpuPagedBackend(TorchReferenceBackend):
         # q: [num_tokens, num_qo_heads, head_dim]
         if self._all_decodes:  # a pure decode step: one kernel call, no row gathering or scattering
             return self._paged_decode(q, layer)
+        if self._prefills is not None and self._prefills[3] is None:  # prefills only: the same, one call
+            return self._paged_prefill(q, layer).to(q.dtype)
         out = super().run(q, layer)  # reference prefills (if any) and the decodes
         if self._prefills is not None:
-            indices, indptr, qo_indptr, rows = self._prefills
-            qp = q[rows].to(self.pool.dtype).contiguous()  # [prefill rows, num_qo_heads, head_dim]
-            o = self.kernels.paged_prefill(qp, self.pool.k[layer], self.pool.v[layer], indices, indptr, qo_indptr,
-                                           self.scale)
-            out[rows] = o.to(q.dtype)
+            rows = self._prefills[3]
+            out[rows] = self._paged_prefill(q[rows], layer).to(q.dtype)
         return out
+
+    def _paged_prefill(self, qp: torch.Tensor, layer: int) -> torch.Tensor:
+        """The planned prefill chunks' attention; qp: their query rows ``[prefill rows, num_qo_heads, head_dim]``."""
+        indices, indptr, qo_indptr, _ = self._prefills
+        return self.kernels.paged_prefill(qp.to(self.pool.dtype).contiguous(), self.pool.k[layer], self.pool.v[layer],
+                                          indices, indptr, qo_indptr, self.scale)
 
     def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
         rows = self._decodes[2]
