@@ -131,21 +131,73 @@ inline uint32_t pair_of(const uint16_t* a, const uint16_t* b) {
   return static_cast<uint32_t>(*a) | (static_cast<uint32_t>(*b) << 16);
 }
 
+// r[j] = row j of a 16 x 16 matrix of 32-bit words -> r[c] = its column c.
+inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // within each 128-bit lane: pairs of rows interleaved, then fours
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + q], lane L: column 4L + q of rows 4i .. 4i + 3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {  // column 4L + q: lane L of b[q], b[4 + q], b[8 + q], b[12 + q]
+    const __m512i x = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x44), y = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xEE);
+    const __m512i z = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x44), w = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xEE);
+    r[q] = _mm512_shuffle_i32x4(x, z, 0x88);
+    r[4 + q] = _mm512_shuffle_i32x4(x, z, 0xDD);
+    r[8 + q] = _mm512_shuffle_i32x4(y, w, 0x88);
+    r[12 + q] = _mm512_shuffle_i32x4(y, w, 0xDD);
+  }
+}
+
+// K and V of KV head h for tokens slots[0:len) in the layouts above (d a multiple of 32). Whole tiles of 16
+// tokens go 16 x 16 words at a time through a register transpose and V pairs 32 dimensions at a time through
+// a word interleave; the last, partial tile and an odd last token go element by element. Scalar
+// throughout, packing took 15% of an 8 x 150 prefill step's attention (after 1,024 cached tokens).
 void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t len, int64_t h, int64_t row_stride,
              int64_t d, uint32_t* kt, uint32_t* vp) {
-  const int64_t tiles = (len + 15) / 16, half = d / 2;
-  std::fill(kt, kt + tiles * 16 * half, 0u);
-  for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* kr = k + slots[t] * row_stride + h * d;
-    uint32_t* dst = kt + (t / 16) * 16 * half + (t % 16);
-    for (int64_t c = 0; c < half; ++c) dst[c * 16] = pair_of(kr + 2 * c, kr + 2 * c + 1);
+  const int64_t tiles = (len + 15) / 16, half = d / 2, full = len / 16;
+  for (int64_t tile = 0; tile < full; ++tile) {
+    uint32_t* dst = kt + tile * 16 * half;
+    for (int64_t c0 = 0; c0 < half; c0 += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = _mm512_loadu_si512(k + slots[tile * 16 + j] * row_stride + h * d + 2 * c0);
+      transpose16x16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + (c0 + c) * 16, r[c]);
+    }
   }
-  const uint16_t zero[1] = {0};
-  for (int64_t m = 0; m < (len + 1) / 2; ++m) {
+  if (full < tiles) {
+    uint32_t* dst = kt + full * 16 * half;
+    std::fill(dst, dst + 16 * half, 0u);
+    for (int64_t t = full * 16; t < len; ++t) {
+      const uint16_t* kr = k + slots[t] * row_stride + h * d;
+      for (int64_t c = 0; c < half; ++c) dst[c * 16 + t % 16] = pair_of(kr + 2 * c, kr + 2 * c + 1);
+    }
+  }
+  alignas(64) int16_t lo_idx[32], hi_idx[32];  // words (a[e], b[e]) for e = 0..15, then 16..31
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = static_cast<int16_t>(i), lo_idx[2 * i + 1] = static_cast<int16_t>(32 + i);
+    hi_idx[2 * i] = static_cast<int16_t>(16 + i), hi_idx[2 * i + 1] = static_cast<int16_t>(48 + i);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t m = 0; m < len / 2; ++m) {
     const uint16_t* v0 = v + slots[2 * m] * row_stride + h * d;
-    const bool odd = 2 * m + 1 < len;
-    const uint16_t* v1 = odd ? v + slots[2 * m + 1] * row_stride + h * d : nullptr;
-    for (int64_t e = 0; e < d; ++e) vp[m * d + e] = pair_of(v0 + e, odd ? v1 + e : zero);
+    const uint16_t* v1 = v + slots[2 * m + 1] * row_stride + h * d;
+    for (int64_t e = 0; e < d; e += 32) {
+      const __m512i a = _mm512_loadu_si512(v0 + e), b = _mm512_loadu_si512(v1 + e);
+      _mm512_storeu_si512(vp + m * d + e, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vp + m * d + e + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+  if (len % 2 == 1) {
+    const int64_t m = len / 2;
+    const uint16_t* v0 = v + slots[2 * m] * row_stride + h * d;
+    for (int64_t e = 0; e < d; ++e) vp[m * d + e] = static_cast<uint32_t>(v0[e]);
   }
 }
 
