@@ -18,8 +18,8 @@ metadata (``kv_indices``, ``kv_indptr``, ``qo_indptr``) instead:
 Measured on 2 cores, bfloat16, one layer, old and new alternating in one
 process, on an AVX-512 BF16 CPU: 8 decodes of 1,025 tokens 0.35 ms against
 the reference's 1.0 ms (a BF16 dot-product decode kernel, since replaced by
-the AVX2 one, which a Zen 4 ran at 0.66x its time at batch 1, 0.98x at 8); 8 chunks of 150 tokens after 500 cached ones
-12.9 ms against 34.3 ms. On an AVX2-only EPYC (Zen 3), where the
+the AVX2 one, which a Zen 4 ran at 0.66x its time at batch 1, 0.98x at 8);
+8 chunks of 150 tokens after 500 cached ones 12.9 ms against 34.3 ms. On an AVX2-only EPYC (Zen 3), where the
 reference's bfloat16 ``bmm`` is emulated: 2 chunks of 150 after 500 cached,
 whole model, 15.0 ms per token before the AVX2 kernels, 3.6 after
 (docs/experiments.md).

@@ -299,11 +299,12 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
         const uint32_t* qr[4];
         for (int64_t j = 0; j < 4; ++j) qr[j] = qrow(row0 + std::min(j, nr - 1));
         const int64_t row_tiles = (count[row0 + nr - 1] + 15) / 16;
+        float* srow = sbuf.data() + row0 * tiles * 16;  // row0's scores; each row tiles * 16 apart
         int64_t tile = 0;
-        for (; tile + 3 <= row_tiles; tile += 3) score_tiles<half, 3>(qr, ktp + tile * 16 * half, nr, scale,
-                                                                      sbuf.data() + row0 * tiles * 16 + tile * 16, tiles * 16);
-        for (; tile < row_tiles; ++tile) score_tiles<half, 1>(qr, ktp + tile * 16 * half, nr, scale,
-                                                               sbuf.data() + row0 * tiles * 16 + tile * 16, tiles * 16);
+        for (; tile + 3 <= row_tiles; tile += 3)
+          score_tiles<half, 3>(qr, ktp + tile * 16 * half, nr, scale, srow + tile * 16, tiles * 16);
+        for (; tile < row_tiles; ++tile)
+          score_tiles<half, 1>(qr, ktp + tile * 16 * half, nr, scale, srow + tile * 16, tiles * 16);
       }
       // exact softmax per row over its visible tokens; P as bf16 pairs, unnormalized
       std::vector<float> inv_sum(rows);
@@ -354,6 +355,8 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
             for (int j = 0; j < 4; ++j) a[j][c] = _mm512_dpbf16_ps(a[j][c], w[j], vv);
           }
         }
+        // Only constant indices into a (a runtime choice between rows' arrays kept them on the stack, stored
+        // every iteration of the loop above): spill the sums once, then round each row.
         alignas(64) float sums[4][d];
 #pragma GCC unroll 8
         for (int64_t c = 0; c < vecs; ++c)
@@ -1148,14 +1151,22 @@ std::unique_ptr<float[]> interleave_rows(const T* x, int64_t rows, int64_t k) {
 // y = x W^T + bias. Fewer rows than a block: tile by tile (linear_tile). Otherwise in groups of up to 3
 // tiles (24 outputs): each whole block of kRowBlock rows in one linear_group pass (the group's weights
 // come from DRAM in the first, from L1/L2 after), the last, shorter block tile by tile.
+// On AVX-512 BF16 CPUs the whole blocks of bfloat16 rows (with k % 4 == 0) go through linear_group_bf16,
+// which reads x as it is; only the rows past them are widened and interleaved for the FMA tiles.
 template <typename T>
 void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t rows, int64_t k, int64_t n) {
-  const auto xf = interleave_rows(x, rows, k);
   const int64_t tiles = n / 8, blocks = rows / kRowBlock;
+#ifdef RADIXKV_AVX512_BF16
+  const bool dot_blocks = std::is_same_v<T, c10::BFloat16> && k % 4 == 0;
+#else
+  const bool dot_blocks = false;
+#endif
+  const int64_t first = dot_blocks ? blocks * kRowBlock : 0;  // the first row xf holds
+  const auto xf = interleave_rows(x + first * k, rows - first, k);
   auto tile_rows = [&](int64_t t, int64_t m0) {  // rows m0.. (fewer than a block) against tile t
     const float* b = bias != nullptr ? bias + t * 8 : nullptr;
     for_row_blocks(rows - m0, [&](int64_t, auto mb) {
-      linear_tile<T, decltype(mb)::value>(xf.get() + m0 * k, wt + t * k * 8, k, b, y + m0 * n + t * 8, n);
+      linear_tile<T, decltype(mb)::value>(xf.get() + (m0 - first) * k, wt + t * k * 8, k, b, y + m0 * n + t * 8, n);
     });
   };
   if (blocks == 0) {
@@ -1173,11 +1184,10 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
       GroupPrefetch pf(next > 0 ? group + nc * k * 8 : nullptr, next * k * 8 * sizeof(T), blocks * k);
       const float* b = bias != nullptr ? bias + t0 * 8 : nullptr;
       for (int64_t blk = 0; blk < blocks; ++blk) {
-        const float* xb = xf.get() + blk * kRowBlock * k;
         T* yb = y + blk * kRowBlock * n + t0 * 8;
 #ifdef RADIXKV_AVX512_BF16
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (k % 4 == 0) {
+          if (dot_blocks) {
             const T* xr = x + blk * kRowBlock * k;
             if (nc == 3) linear_group_bf16<3>(xr, k, group, k, b, yb, n, pf);
             else if (nc == 2) linear_group_bf16<2>(xr, k, group, k, b, yb, n, pf);
@@ -1186,6 +1196,7 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
           }
         }
 #endif
+        const float* xb = xf.get() + blk * kRowBlock * k;  // first is 0 here
         if (nc == 3) linear_group<T, 3>(xb, group, k, b, yb, n, pf);
         else if (nc == 2) linear_group<T, 2>(xb, group, k, b, yb, n, pf);
         else linear_group<T, 1>(xb, group, k, b, yb, n, pf);
