@@ -101,6 +101,21 @@ def test_make_backend_choices():
             make_backend("flashinfer", pool, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["torch", "torch-cascade", "cpu"])
+def test_an_empty_step_gives_an_empty_output(name, dtype):
+    """A step with no requests (a driver that plans before anything is admitted) returns ``[0, heads, dim]``."""
+    from radixkv.kernels import cpu_kernels_unavailable_reason
+
+    pool = KVPool(1, 2, 64, num_slots=8, dtype=dtype)
+    if name == "cpu" and (reason := cpu_kernels_unavailable_reason()):
+        pytest.skip(reason)
+    backend = make_backend(name, pool, 4)
+    backend.plan(AttentionBatch([], [], []))
+    out = backend.run(torch.zeros(0, 4, 64, dtype=dtype), 0)
+    assert out.shape == (0, 4, 64) and out.dtype == dtype
+
+
 def shared_prefix_decodes(shared: int, own: list[int], dtype=torch.float32, mixed_prefill: bool = False):
     """Decodes whose slot lists start with the same ``shared`` slots, plus an optional prefill row."""
     g = torch.Generator().manual_seed(1)

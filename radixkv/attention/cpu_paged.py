@@ -67,7 +67,7 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def plan(self, batch: AttentionBatch) -> None:
         self._prefills = None
-        self._all_decodes = all(n == 1 for n in batch.new_lens)
+        self._all_decodes = bool(batch.new_lens) and all(n == 1 for n in batch.new_lens)  # an empty step is not
         if not self.prefill_kernel:
             return super().plan(batch)
         starts = batch.qo_indptr[:-1]
