@@ -26,13 +26,11 @@ the peers' (vLLM 0.32 on the CPU, measured on this machine class; see
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from experiments.bench_model import timed
 from experiments.common import environment, parser, run_cli, table, with_ext
 from experiments.multiturn import parse_args as multiturn_args
 from experiments.multiturn import run_cache, summarize
@@ -43,6 +41,7 @@ from radixkv.model import load_model
 from radixkv.model.llama import PackedLinear, linear_compute_dtype, pack_linears
 from radixkv.model.ops import ops_for_backend
 from radixkv.model.step import run_step
+from radixkv.timing import interleaved, seconds, timed
 
 # vLLM 0.32 on CPU, SmolLM2-135M bf16, 2 threads (the engine issue, docs/experiments.md).
 VLLM = {"end_to_end_s": 5.8, "end_to_end_no_cache_s": 16.1, "prefill_ms_per_token_1024": 0.40,
@@ -78,22 +77,6 @@ def ours_micro(model, context: int, repeats: int, rng) -> dict:
             **{k: 1e3 * v for k, v in interleaved(steps, rounds=4, per_round=repeats).items()}}
 
 
-def interleaved(fns: dict, rounds: int, per_round: int) -> dict:
-    """Median seconds of each of ``fns`` over ``rounds`` x ``per_round`` runs, the functions taking turns by round.
-
-    This machine's speed drifts by tens of percent over seconds (a slow
-    phase, a neighbour); measured one after the other, one figure could take
-    all of a slow phase. Taking turns spreads a phase over all of them.
-    """
-    times: dict = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k] += [_seconds(fn) for _ in range(per_round)]
-    return {k: float(np.median(v)) for k, v in times.items()}
-
-
 def transformers_micro(hf, context: int, repeats: int, rng) -> dict:
     """The same three figures for ``transformers``' own forward with its dynamic KV cache."""
     toks = torch.as_tensor(rng.integers(3, hf.config.vocab_size, (8, context)))
@@ -112,12 +95,6 @@ def transformers_micro(hf, context: int, repeats: int, rng) -> dict:
     return out
 
 
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def machine_rates(model: nn.Module, repeats: int = 5, rows: int = 1024) -> dict:
     """This machine now, for ``floors``: the best of ``repeats`` runs each, since a floor takes the best rate.
 
@@ -129,7 +106,7 @@ def machine_rates(model: nn.Module, repeats: int = 5, rows: int = 1024) -> dict:
     """
     def best(fn) -> float:
         fn()
-        return min(_seconds(fn) for _ in range(repeats))
+        return min(seconds(fn) for _ in range(repeats))
 
     x = torch.ones(128 << 20)
     read = x.numel() * x.element_size() / best(x.sum)
@@ -138,11 +115,11 @@ def machine_rates(model: nn.Module, repeats: int = 5, rows: int = 1024) -> dict:
     dtype = linear_compute_dtype(model) or next(model.parameters()).dtype
     a = torch.randn(rows, cfg.hidden_size).to(dtype)
     w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size).to(dtype)
-    seconds = best(lambda: torch.nn.functional.linear(a, w))
+    gemm_s = best(lambda: torch.nn.functional.linear(a, w))
     if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        seconds = min(seconds, best(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")))
-    return {"read_gb_s": read / 1e9, "gemm_gflop_s": 2 * a.numel() * w.shape[0] / seconds / 1e9,
+        gemm_s = min(gemm_s, best(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")))
+    return {"read_gb_s": read / 1e9, "gemm_gflop_s": 2 * a.numel() * w.shape[0] / gemm_s / 1e9,
             "gemm_dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -28,17 +26,7 @@ from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.llama import pack_linears
 from radixkv.model.step import run_step
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from radixkv.timing import timed
 
 
 class Ours:

@@ -96,8 +96,9 @@ def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict],
                          "generated": len(out.token_ids), "ttft": out.ttft, "latency": out.latency})
     wall = time.perf_counter() - t0
     stats = llm.stats()
-    for r in rows:
-        r.update(engine_stats=stats, config=llm.config.to_dict())
+    coded = {m.coded_rows for m in llm.model.modules() if getattr(m, "coded", None) is not None}
+    for r in rows:  # coded_rows: up to how many rows a step's linears read 4-bit codes (measured per CPU)
+        r.update(engine_stats=stats, config=llm.config.to_dict(), coded_rows=max(coded, default=None))
     return rows, wall, llm
 
 

@@ -151,21 +151,13 @@ def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(tmp_path, monke
     from radixkv.model.step import run_step
 
     _avx2_kernels()
-    base = load_model("tiny-random", dtype=torch.bfloat16).model
-    tensors = {}
-    with torch.no_grad():
-        for name, mod in base.named_modules():
-            if isinstance(mod, torch.nn.Linear) and "layers" in name:
-                tensors[f"{name}.weight"] = mod.weight.to(torch.float32)
-                mod.weight.copy_(_as_loaded(mod.weight, torch.bfloat16))  # as if loaded from that file
-    _write_q4_1(tmp_path / "tiny.gguf", tensors)
-    state = {k: v.clone() for k, v in base.state_dict().items()}
+    state = _tiny_random_from_q4_1(tmp_path / "tiny.gguf")
 
     def served(with_codes: bool, loop: bool):
         model = load_model("tiny-random", dtype=torch.bfloat16).model
         model.load_state_dict(state)
         model.gguf_file = str(tmp_path / "tiny.gguf") if with_codes else None
-        pack_linears(model)
+        pack_linears(model, coded_rows=PackedLinear.CODED_ROWS)  # whatever pays on this CPU: the codes serve
         layers = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
         if not layers or layers[0].tiles is None:
             pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
@@ -231,8 +223,9 @@ def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits():
 
     _avx2_kernels()
     model = load_model("smollm2-135m", dtype=torch.bfloat16).model
-    pack_linears(model)
+    pack_linears(model)  # coded_rows measured on this CPU: some number of rows in [0, CODED_ROWS]
     layers = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert len({m.coded_rows for m in layers}) == 1 and 0 <= layers[0].coded_rows <= PackedLinear.CODED_ROWS
     if layers[0].tiles is None:
         pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
     assert len(layers) == 4 * model.config.num_layers and all(m.coded is not None for m in layers)
@@ -288,3 +281,58 @@ def test_pack_linears_serves_without_codes_where_it_cannot_read_them(tmp_path):
         if linears[0].tiles is None:
             pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
         assert model.lm_head.tiles is None and all(m.coded is None for m in linears)
+
+
+@needs_gguf
+def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(tmp_path, monkeypatch):
+    """coded_rows=None times coded_linear against small_linear on this CPU and gives every coded layer the
+    row count up to which the codes won (the first loss ends the search); an int is taken as it is; anything
+    outside [0, CODED_ROWS] is a ValueError before the model is touched."""
+    from radixkv.model import llama, load_model
+    from radixkv.model.llama import PackedLinear, measure_coded_rows, pack_linears
+
+    _avx2_kernels()
+    state = _tiny_random_from_q4_1(tmp_path / "tiny.gguf")
+
+    def packed(coded_rows, fake_times=None):
+        model = load_model("tiny-random", dtype=torch.bfloat16).model
+        model.load_state_dict(state)
+        model.gguf_file = str(tmp_path / "tiny.gguf")
+        with monkeypatch.context() as mp:
+            if fake_times is not None:  # (coded, tiles) seconds per row count, in the order asked
+                answers = iter(fake_times)
+                mp.setattr(llama, "interleaved", lambda fns, rounds, per_round: dict(
+                    zip(("coded", "tiles"), next(answers), strict=True)))
+            pack_linears(model, coded_rows=coded_rows)
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.coded is not None]
+        if not layers:
+            pytest.skip("no small_linear tiles here: this CPU multiplies 16-bit weights natively (oneDNN)")
+        assert len({m.coded_rows for m in layers}) == 1
+        return layers[0].coded_rows
+
+    assert packed(None, [(1.0, 2.0), (1.0, 2.0)]) == PackedLinear.CODED_ROWS  # the codes win at 1 and 2 rows
+    assert packed(None, [(1.0, 2.0), (3.0, 2.0)]) == 1
+    assert packed(None, [(2.0, 1.0)]) == 0  # they lose at 1 row: not tried at 2
+    assert packed(None, [(1.0, 1.0)]) == 0  # a tie goes to the 16-bit tiles
+    assert 0 <= packed(None) <= PackedLinear.CODED_ROWS  # really measured
+    assert packed(0) == 0 and packed(1) == 1
+    for bad in (-1, PackedLinear.CODED_ROWS + 1, 1.0, "2"):
+        with pytest.raises(ValueError, match="coded_rows"):
+            pack_linears(load_model("tiny-random", dtype=torch.bfloat16).model, coded_rows=bad)
+    assert measure_coded_rows([]) == 0
+
+
+def _tiny_random_from_q4_1(path) -> dict:
+    """Write ``tiny-random``'s layer linears (bfloat16) to a Q4_1 file at ``path``; returns the state dict of
+    the model whose weights are exactly what loading that file gives."""
+    from radixkv.model import load_model
+
+    base = load_model("tiny-random", dtype=torch.bfloat16).model
+    tensors = {}
+    with torch.no_grad():
+        for name, mod in base.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "layers" in name:
+                tensors[f"{name}.weight"] = mod.weight.to(torch.float32)
+                mod.weight.copy_(_as_loaded(mod.weight, torch.bfloat16))  # as if loaded from that file
+    _write_q4_1(path, tensors)
+    return {k: v.clone() for k, v in base.state_dict().items()}

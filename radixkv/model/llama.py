@@ -16,6 +16,7 @@ each request.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from radixkv.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.kv_pool import KVPool
 from radixkv.model.coded import CodedTiles, q4_rows
 from radixkv.model.ops import TorchOps
+from radixkv.timing import interleaved
 
 
 @dataclass(frozen=True)
@@ -214,10 +216,11 @@ class PackedLinear(nn.Module):
     packing is the last step before serving (``pack_linears``).
     """
 
-    # Where coded_linear stops paying: SmolLM2's 30 layers of linears on this project's AVX2 machine,
-    # weights from DRAM, alternating with small_linear in one process, took 0.70x small_linear's time at
-    # 1 row, 0.81x at 2 and 1.05x at 3: rebuilding each weight costs vector ALU throughput that more
-    # rows need for their own FMAs (docs/experiments.md, ninth round).
+    # The most rows coded_linear may serve: SmolLM2's 30 layers of linears on a Zen 3, weights from DRAM,
+    # alternating with small_linear in one process, took 0.70x small_linear's time at 1 row, 0.81x at 2
+    # and 1.05x at 3: rebuilding each weight costs vector ALU throughput that more rows need for their
+    # own FMAs (docs/experiments.md, ninth round). On a Zen 1 it took 1.8x at 1 row, so ``pack_linears``
+    # measures how many of these rows pay on the CPU at hand (``measure_coded_rows``).
     CODED_ROWS = 2
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 8, compute_dtype: torch.dtype | None = None,
@@ -278,14 +281,20 @@ def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
     return p.dtype if native[p.dtype]() else torch.float32
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, coded_rows: int | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` computing in ``linear_compute_dtype``.
 
     Where the layers get ``small_linear`` tiles and ``model.gguf_file`` names
     the GGUF file the weights were dequantized from, every layer whose weights
-    its Q4_1 codes rebuild exactly also gets them (``PackedLinear.coded``).
+    its Q4_1 codes rebuild exactly also gets them (``PackedLinear.coded``),
+    used for batches of at most ``coded_rows`` tokens (0 to
+    ``PackedLinear.CODED_ROWS``); None measures that number on this CPU
+    (``measure_coded_rows``, a fraction of a second for SmolLM2). Either
+    way the outputs are the same bits.
     Returns how many were replaced (0 where that dtype is None).
     """
+    if coded_rows is not None and not (isinstance(coded_rows, int) and 0 <= coded_rows <= PackedLinear.CODED_ROWS):
+        raise ValueError(f"coded_rows must be None or an int in [0, {PackedLinear.CODED_ROWS}], got {coded_rows!r}")
     compute = linear_compute_dtype(model)
     if compute is None:
         return 0
@@ -308,7 +317,42 @@ def pack_linears(model: nn.Module) -> int:
             weight = packed.weight()  # None where the layer has no tiles (out_features % 8 != 0)
             packed.coded = None if weight is None else rows.tiles(weight)
     _tiles_to_huge_pages([getattr(parent, name) for parent, name, _ in targets])
+    coded = [m for parent, name, _ in targets if (m := getattr(parent, name)).coded is not None]
+    chosen = measure_coded_rows(coded) if coded_rows is None else coded_rows
+    for m in coded:
+        m.coded_rows = chosen
     return len(targets)
+
+
+def measure_coded_rows(layers: list[PackedLinear], rounds: int = 5) -> int:
+    """How many rows (0 to ``PackedLinear.CODED_ROWS``) ``coded_linear`` multiplies faster than ``small_linear``.
+
+    Both give the same bits at these row counts, so only time is at stake,
+    and which one wins depends on the CPU (``PackedLinear.CODED_ROWS``). For
+    1, 2, ... rows, every layer of ``layers`` (which have codes) is timed
+    both ways, in turns, ``rounds`` times each; the first row count at which
+    the codes do not win ends the search. Costs about ``4 * rounds`` passes
+    over the layers' weights per row count tried.
+    """
+    if not layers:
+        return 0
+    kernels = layers[0].small_kernels
+
+    def run(x: dict[int, torch.Tensor], codes: bool) -> None:
+        for m in layers:
+            c, xm = m.coded, x[m.in_features]
+            if codes:
+                kernels.coded_linear(xm, c.codes, c.scale, c.offset, m.small_bias)
+            else:
+                kernels.small_linear(xm, m.tiles, m.small_bias)
+
+    for rows in range(1, PackedLinear.CODED_ROWS + 1):
+        x = {m.in_features: torch.ones(rows, m.in_features, dtype=m.dtype) for m in layers}  # values do not matter
+        coded, tiles = functools.partial(run, x, True), functools.partial(run, x, False)
+        times = interleaved({"coded": coded, "tiles": tiles}, rounds=rounds, per_round=1)
+        if times["coded"] >= times["tiles"]:
+            return rows - 1
+    return PackedLinear.CODED_ROWS
 
 
 def _tiles_to_huge_pages(layers: list[PackedLinear]) -> None:
