@@ -137,8 +137,10 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     (attention and the LM head left out); a decode step with ``context``
     tokens per request at least one read of every linear weight (LM head
     included; at batch 1, layers with exact 4-bit codes at their coded size,
-    as ``coded_linear`` reads them) and of its K/V at the read bandwidth
-    (compute left out).
+    as ``coded_linear`` reads them) and of its K/V at the read bandwidth, and
+    at least its rows' linear FLOPs (LM head included, attention left out)
+    at the GEMM rate, whichever is more: on a CPU with a slow FMA (a Zen 1
+    runs 44 GFLOP/s a core) batch 8 is bound by arithmetic, not memory.
     ``end_to_end_s`` (given ``prefill_tokens``) adds ``decode_steps`` batch-8
     steps to those prefill tokens: the main job's decode contexts average
     about ``context``.
@@ -154,12 +156,15 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     saved_b1 = sum(m.in_features * m.out_features * size - m.coded.nbytes for m in linears
                    if getattr(m, "coded", None) is not None and m.coded_rows >= 1)
 
-    def decode_ms(kv_tokens: int, saved: int = 0) -> float:
-        return 1e3 * (params * size - saved + kv_per_token * kv_tokens) / bandwidth
+    flop_rate = rates["gemm_gflop_s"] * 1e9
 
-    out = {"prefill_ms_per_token": 1e3 * 2 * (params - head) / (rates["gemm_gflop_s"] * 1e9),
-           "decode_ms_b1": decode_ms(context, saved_b1), "decode_ms_b8": decode_ms(8 * context),
-           "decode_ms_b8_shared500": decode_ms(min(500, context) + 8 * max(0, context - 500))}
+    def decode_ms(rows: int, kv_tokens: int, saved: int = 0) -> float:
+        memory = (params * size - saved + kv_per_token * kv_tokens) / bandwidth
+        return 1e3 * max(memory, 2 * rows * params / flop_rate)
+
+    out = {"prefill_ms_per_token": 1e3 * 2 * (params - head) / flop_rate,
+           "decode_ms_b1": decode_ms(1, context, saved_b1), "decode_ms_b8": decode_ms(8, 8 * context),
+           "decode_ms_b8_shared500": decode_ms(8, min(500, context) + 8 * max(0, context - 500))}
     if prefill_tokens is not None:
         out["end_to_end_s"] = (prefill_tokens * out["prefill_ms_per_token"] + decode_steps * out["decode_ms_b8"]) / 1e3
     return out

@@ -184,7 +184,7 @@ def test_mooncake_unlimited_reference_is_the_radix_arms_own_replay(tmp_path, mon
     assert all(r["belady_hit_rate"] is not None for r in rows)
 
 
-def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
+def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once_or_do_its_flops():
     import torch
 
     from experiments.bench_engine import floors, machine_rates
@@ -194,9 +194,9 @@ def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
     cfg = model.config
     params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
-    rates = {"read_gb_s": 1.0, "gemm_gflop_s": 1.0}  # 1 byte and 1 FLOP per nanosecond: floors in plain counts
+    rates = {"read_gb_s": 1.0, "gemm_gflop_s": 1e3}  # 1 byte and 1,000 FLOPs per nanosecond: decode waits on memory
     got = floors(model, rates, context=600, prefill_tokens=100, decode_steps=3)
-    assert got["prefill_ms_per_token"] == pytest.approx(2 * (params - cfg.hidden_size * cfg.vocab_size) / 1e6)
+    assert got["prefill_ms_per_token"] == pytest.approx(2 * (params - cfg.hidden_size * cfg.vocab_size) / 1e9)
     assert got["decode_ms_b1"] == pytest.approx((4 * params + 600 * kv_per_token) / 1e6)
     assert got["decode_ms_b8"] == pytest.approx((4 * params + 8 * 600 * kv_per_token) / 1e6)
     assert got["decode_ms_b8_shared500"] == pytest.approx((4 * params + (500 + 8 * 100) * kv_per_token) / 1e6)
@@ -209,6 +209,9 @@ def test_bench_engine_floors_read_every_weight_and_each_requests_kv_once():
     again = floors(model, rates, context=600)
     assert again["decode_ms_b1"] == pytest.approx(got["decode_ms_b1"] - saved / 1e6)
     assert again["decode_ms_b8"] == pytest.approx(got["decode_ms_b8"])  # batch 8 reads the 16-bit tiles
+    fast_memory = floors(model, {"read_gb_s": 1e9, "gemm_gflop_s": 1.0}, context=600)  # bound by arithmetic
+    assert fast_memory["decode_ms_b1"] == pytest.approx(2 * params / 1e6)
+    assert fast_memory["decode_ms_b8"] == pytest.approx(16 * params / 1e6) == fast_memory["decode_ms_b8_shared500"]
     measured = machine_rates(model, repeats=1, rows=16)
     assert measured["read_gb_s"] > 0 and measured["gemm_gflop_s"] > 0 and measured["gemm_dtype"] == "float32"
 
