@@ -316,7 +316,7 @@ def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(tmp_path, 
     assert packed(None, [(1.0, 1.0)]) == 0  # a tie goes to the 16-bit tiles
     assert 0 <= packed(None) <= PackedLinear.CODED_ROWS  # really measured
     assert packed(0) == 0 and packed(1) == 1
-    for bad in (-1, PackedLinear.CODED_ROWS + 1, 1.0, "2"):
+    for bad in (-1, PackedLinear.CODED_ROWS + 1, 1.0, "2", True):
         with pytest.raises(ValueError, match="coded_rows"):
             pack_linears(load_model("tiny-random", dtype=torch.bfloat16).model, coded_rows=bad)
     assert measure_coded_rows([]) == 0

@@ -293,7 +293,8 @@ def pack_linears(model: nn.Module, coded_rows: int | None = None) -> int:
     way the outputs are the same bits.
     Returns how many were replaced (0 where that dtype is None).
     """
-    if coded_rows is not None and not (isinstance(coded_rows, int) and 0 <= coded_rows <= PackedLinear.CODED_ROWS):
+    if coded_rows is not None and (isinstance(coded_rows, bool) or not isinstance(coded_rows, int)
+                                   or not 0 <= coded_rows <= PackedLinear.CODED_ROWS):
         raise ValueError(f"coded_rows must be None or an int in [0, {PackedLinear.CODED_ROWS}], got {coded_rows!r}")
     compute = linear_compute_dtype(model)
     if compute is None:
@@ -331,8 +332,8 @@ def measure_coded_rows(layers: list[PackedLinear], rounds: int = 5) -> int:
     and which one wins depends on the CPU (``PackedLinear.CODED_ROWS``). For
     1, 2, ... rows, every layer of ``layers`` (which have codes) is timed
     both ways, in turns, ``rounds`` times each; the first row count at which
-    the codes do not win ends the search. Costs about ``4 * rounds`` passes
-    over the layers' weights per row count tried.
+    the codes do not win ends the search. Costs ``2 * (rounds + 1)`` passes
+    over the layers' weights per row count tried (a warm-up each way).
     """
     if not layers:
         return 0
