@@ -171,7 +171,8 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
 
 
 def targets(summary: dict[str, dict], ours: dict, floor: dict | None = None) -> list[dict]:
-    """Each target: our figure, the bound it must meet, whether it does, and this machine's floor (or None)."""
+    """Each target: our figure, the bound it must meet, whether it does, this machine's floor (or None), and
+    whether that floor leaves the bound reachable here."""
     radix, hash_, none = summary["radix"], summary["hash"], summary["none"]
     floor = floor or {}
     cached = [radix[f"cached_per_req_t{t}"] for t in range(1, 5) if f"cached_per_req_t{t}" in radix]
@@ -191,7 +192,9 @@ def targets(summary: dict[str, dict], ours: dict, floor: dict | None = None) -> 
         ("engine overhead share of step time < 10%", radix["overhead_share"], 0.10, radix["overhead_share"] < 0.10,
          None),
     ]
-    return [{"target": t, "ours": o, "bound": b, "met": bool(m), "floor": floor.get(f)} for t, o, b, m, f in rows]
+    # reachable: False where this machine's floor is already above the bound, so no code can meet it here
+    return [{"target": t, "ours": o, "bound": b, "met": bool(m), "floor": floor.get(f),
+             "reachable": f not in floor or floor[f] <= b} for t, o, b, m, f in rows]
 
 
 def fmt(x) -> str:
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     checks = targets(summary, micro["ours"], floor)
     for c in checks:
         here = "" if c["floor"] is None else f", floor here {fmt(c['floor'])}"
+        here += "" if c["reachable"] else " (out of reach on this machine: its floor is above the bound)"
         print(f"[{'met' if c['met'] else 'MISSED':6s}] {c['target']}: ours {fmt(c['ours'])}, bound {fmt(c['bound'])}"
               f"{here}")
     result = {"config": vars(args), "env": environment(), "machine": rates, "floors": floor, "multiturn": summary,

@@ -239,6 +239,7 @@ def test_bench_engine_targets_carry_this_machines_floor_where_one_applies():
     rows = targets(summary, ours, floor)
     assert [r["floor"] for r in rows] == [8.0, None, None, None, 12.0, 19.0, None]
     assert [r["met"] for r in rows] == [False, True, True, True, False, True, True]
+    assert [r["reachable"] for r in rows] == [False] + [True] * 6  # 8 s floor against vLLM-CPU's 5.8 s
     assert all(r["floor"] is None for r in targets(summary, ours))
 
 
