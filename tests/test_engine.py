@@ -67,6 +67,16 @@ def test_bad_config_raises_value_error(kwargs):
         LLM("tiny-random", **kwargs)
 
 
+def test_flashinfer_with_a_dtype_it_has_no_kernels_for_is_a_clear_error():
+    """FlashInfer has no float32 kernels: asking for it in float32 names the dtypes it has, before any load."""
+    from radixkv import EngineConfig
+
+    with pytest.raises(ValueError, match="bfloat16.*float16"):
+        EngineConfig(attention_backend="flashinfer", device="cuda")
+    assert EngineConfig(attention_backend="flashinfer", dtype="float16").dtype == "float16"
+    assert EngineConfig(attention_backend="auto", device="cuda").attention_backend == "auto"  # falls back
+
+
 def test_torch_dtype_and_device_are_accepted_as_their_names():
     cfg = LLM("tiny-random", dtype=torch.bfloat16, device=torch.device("cpu")).config
     assert (cfg.dtype, cfg.device) == ("bfloat16", "cpu")

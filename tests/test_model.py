@@ -120,6 +120,17 @@ def test_missing_model_says_how_to_get_it(tmp_path):
         load_model(str(tmp_path / "nope"))
 
 
+def test_smollm2_shaped_random_model_is_built_in_memory():
+    """The GPU checks' model: SmolLM2-135M's shapes, seeded, no file and no download."""
+    a = load_model("smollm2-135m-random", dtype=torch.bfloat16)
+    cfg = a.model.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (
+        30, 576, 9, 3, 64, 49152)
+    assert a.tokenizer is None and next(a.model.parameters()).dtype == torch.bfloat16
+    b = load_model("smollm2-135m-random", dtype=torch.bfloat16)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
 def test_hf_directory_round_trip(tiny, tmp_path):
     tiny.hf_model.save_pretrained(tmp_path)
     again = load_model(str(tmp_path)).model

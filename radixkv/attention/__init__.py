@@ -3,27 +3,57 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.attention.reference import TorchReferenceBackend
 from radixkv.attention.shared_prefix import SharedPrefixTorchBackend
+from radixkv.config import FLASHINFER_DTYPES as FLASHINFER_DTYPE_NAMES
 from radixkv.kernels import cpu_kernels_unavailable_reason
 from radixkv.kv_pool import KVPool
 
 BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
 
 
+# What radixkv's FlashInfer path runs: FlashInfer has no float32 attention kernels, and its FA2/FA3
+# prefill and decode kernels all exist only for these head dims (FA3 prefill is the narrowest).
+FLASHINFER_DTYPES = tuple(getattr(torch, name) for name in FLASHINFER_DTYPE_NAMES)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+class FlashInferUnavailableError(RuntimeError, ValueError):
+    """``attention_backend='flashinfer'`` cannot serve this pool here: a ``RuntimeError`` (the machine lacks
+    something) and a ``ValueError`` (the pool's dtype or head dim is one FlashInfer has no kernels for)."""
+
+
+def flashinfer_unsupported_shape(pool: KVPool) -> str | None:
+    """Why FlashInfer's kernels cannot serve this pool's dtype or head dim, or None when they can."""
+    reasons = []
+    if pool.dtype not in FLASHINFER_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in FLASHINFER_DTYPES)
+        reasons.append(f"FlashInfer has no {str(pool.dtype).removeprefix('torch.')} kernels "
+                       f"(supported dtypes: {names})")
+    if pool.head_dim not in FLASHINFER_HEAD_DIMS:
+        reasons.append(f"FlashInfer has no kernels for head dim {pool.head_dim} "
+                       f"(supported head dims: {', '.join(map(str, FLASHINFER_HEAD_DIMS))})")
+    return "; ".join(reasons) or None
+
+
 def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
-    """Why FlashInfer cannot run here, or None when it can."""
+    """Why FlashInfer cannot run this pool here, or None when it can: every obstacle found, joined by
+    '; ': no CUDA, a pool off the GPU, no flashinfer package, an unsupported dtype or head dim."""
+    reasons = []
     if not torch.cuda.is_available():
-        return "CUDA is not available (FlashInfer runs on NVIDIA GPUs only)"
-    if pool.device.type != "cuda":
-        return f"the KV pool lives on {pool.device}, not on a CUDA device"
+        reasons.append("CUDA is not available (FlashInfer runs on NVIDIA GPUs only)")
+    elif pool.device.type != "cuda":
+        reasons.append(f"the KV pool lives on {pool.device}, not on a CUDA device")
     if importlib.util.find_spec("flashinfer") is None:
-        return "the flashinfer package is not installed (pip install -e '.[gpu]')"
-    return None
+        reasons.append("the flashinfer package is not installed (pip install -e '.[gpu]')")
+    if shape := flashinfer_unsupported_shape(pool):
+        reasons.append(shape)
+    return "; ".join(reasons) or None
 
 
 def cpu_backend_unavailable_reason(pool: KVPool) -> str | None:
@@ -41,13 +71,16 @@ def cpu_backend_unavailable_reason(pool: KVPool) -> str | None:
 def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None = None) -> AttentionBackend:
     """``torch`` (the reference), ``torch-cascade`` (the reference with shared-prefix decode), ``cpu`` (the
     reference's interface with decodes and bfloat16 prefills through the compiled kernels), ``flashinfer``,
-    or ``auto``: FlashInfer when CUDA and flashinfer are present; else ``cpu`` for a 16-bit CPU pool whose
+    or ``auto``: FlashInfer when CUDA and flashinfer are present and its kernels serve the pool's dtype and
+    head dim (``flashinfer_unavailable_reason`` says why not); else ``cpu`` for a 16-bit CPU pool whose
     kernels build; else ``torch-cascade``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKENDS)}")
     reason = flashinfer_unavailable_reason(pool) if name in ("auto", "flashinfer") else "not asked for"
     if name == "flashinfer" and reason:
-        raise RuntimeError(f"attention_backend='flashinfer' cannot run: {reason}")
+        raise FlashInferUnavailableError(f"attention_backend='flashinfer' cannot run: {reason}")
+    if name == "auto" and reason and pool.device.type == "cuda":  # a GPU user would not expect the slow path
+        warnings.warn(f"attention_backend='auto' serves this pool with the PyTorch backend: {reason}", stacklevel=2)
     if name == "flashinfer" or (name == "auto" and reason is None):
         from radixkv.attention.flashinfer_backend import FlashInferBackend
 
@@ -61,5 +94,6 @@ def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None
     return SharedPrefixTorchBackend(pool, num_qo_heads, scale)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "SharedPrefixTorchBackend", "TorchReferenceBackend",
-           "make_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "FLASHINFER_DTYPES", "FLASHINFER_HEAD_DIMS",
+           "FlashInferUnavailableError", "SharedPrefixTorchBackend", "TorchReferenceBackend",
+           "flashinfer_unavailable_reason", "flashinfer_unsupported_shape", "make_backend"]

@@ -5,6 +5,8 @@ flashinfer. Prefill rows (``new_len > 1``) go to
 ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (FlashInfer aligns
 the causal mask to the end of the KV, which is exactly the prefix offset);
 decode rows (``new_len == 1``) go to ``BatchDecodeWithPagedKVCacheWrapper``.
+Every ``plan`` argument is passed by keyword (flashinfer 0.7.4's names), so a
+reordered signature in a later release fails loudly instead of shifting values.
 Metadata is int32 CSR: ``qo_indptr [b+1]``, ``kv_indptr [b+1]`` (pages),
 ``kv_indices [total pages]``, ``kv_last_page_len [b]``.
 """
@@ -18,6 +20,7 @@ from radixkv.attention.base import AttentionBatch
 from radixkv.kv_pool import KVPool
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # DISPATCH_GQA_GROUP_SIZE in flashinfer 0.7.4's utils.cuh
 
 
 def page_table(slot_lists: list[np.ndarray], page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -49,13 +52,23 @@ class FlashInferBackend:
     def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
         import flashinfer  # lazy: only GPU users have it
 
+        from radixkv.attention import FlashInferUnavailableError, flashinfer_unsupported_shape
+
         if pool.device.type != "cuda":
-            raise RuntimeError("FlashInferBackend needs the KV pool on a CUDA device")
+            raise FlashInferUnavailableError("FlashInferBackend needs the KV pool on a CUDA device")
+        if reason := flashinfer_unsupported_shape(pool):
+            raise FlashInferUnavailableError(reason)
+        if num_qo_heads % pool.num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {pool.num_kv_heads}")
         self.pool, self.num_qo_heads = pool, num_qo_heads
         self.scale = scale if scale is not None else pool.head_dim**-0.5
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)  # allocated once
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # FlashInfer's CUDA-core decode kernel is instantiated for these query heads per KV head only; other
+        # groups decode through its tensor-core (prefill) kernel, which takes any group.
+        group = num_qo_heads // pool.num_kv_heads
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=group not in CUDA_CORE_DECODE_GROUPS)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def plan(self, batch: AttentionBatch, q_dtype: torch.dtype | None = None) -> None:
@@ -71,13 +84,15 @@ class FlashInferBackend:
         if pre:
             indptr, indices, last = page_table([batch.slots[r] for r in pre], ps)
             qo = np.concatenate([[0], np.cumsum([batch.new_lens[r] for r in pre])]).astype(np.int32)
-            self._prefill.plan(to_dev(qo), to_dev(indptr), to_dev(indices), to_dev(last), self.num_qo_heads,
-                               pool.num_kv_heads, pool.head_dim, ps, causal=True, sm_scale=self.scale,
-                               q_data_type=q_dtype, kv_data_type=pool.dtype)
+            self._prefill.plan(qo_indptr=to_dev(qo), paged_kv_indptr=to_dev(indptr), paged_kv_indices=to_dev(indices),
+                               paged_kv_last_page_len=to_dev(last), num_qo_heads=self.num_qo_heads,
+                               num_kv_heads=pool.num_kv_heads, head_dim_qk=pool.head_dim, page_size=ps, causal=True,
+                               sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
         if dec:
             indptr, indices, last = page_table([batch.slots[r] for r in dec], ps)
-            self._decode.plan(to_dev(indptr), to_dev(indices), to_dev(last), self.num_qo_heads, pool.num_kv_heads,
-                              pool.head_dim, ps, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
+            self._decode.plan(indptr=to_dev(indptr), indices=to_dev(indices), last_page_len=to_dev(last),
+                              num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                              page_size=ps, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]

