@@ -37,6 +37,15 @@ from radixkv.cache.base import MatchResult
 from radixkv.cache.radix import RadixCache
 
 
+def causal_pairs(new_tokens: int, prefix_len: int) -> float:
+    """(query, key) pairs a chunk of ``new_tokens`` after ``prefix_len`` cached tokens attends:
+    query i sees ``prefix_len + i + 1`` keys, so ``n * (p + (n + 1) / 2)`` in all.
+
+    The simulator's cost model and the engine's step records both count attention work with it.
+    """
+    return new_tokens * (prefix_len + (new_tokens + 1) / 2)
+
+
 @dataclass
 class Candidate:
     """A waiting request as a policy sees it.

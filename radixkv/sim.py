@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.attention.base import causal_pairs
 from radixkv.cache.base import PrefixCache, match_for_prefill
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.hash_block import HashBlockCache
@@ -49,7 +48,7 @@ from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
 from radixkv.config import _is_int, _is_real
 from radixkv.memory import SlotAllocator
-from radixkv.scheduling import Candidate, admission_order, make_policy
+from radixkv.scheduling import Candidate, admission_order, causal_pairs, make_policy
 from radixkv.workloads.request import Request
 
 

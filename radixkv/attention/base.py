@@ -19,15 +19,6 @@ import numpy as np
 import torch
 
 
-def causal_pairs(new_tokens: int, prefix_len: int) -> float:
-    """(query, key) pairs a chunk of ``new_tokens`` after ``prefix_len`` cached tokens attends:
-    query i sees ``prefix_len + i + 1`` keys, so ``n * (p + (n + 1) / 2)`` in all.
-
-    The simulator's cost model and the engine's step records both count attention work with it.
-    """
-    return new_tokens * (prefix_len + (new_tokens + 1) / 2)
-
-
 @dataclass(frozen=True)
 class AttentionBatch:
     """Per-request metadata of one forward step.

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixkv.attention.base import AttentionBackend, AttentionBatch, causal_pairs
+from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
+from radixkv.scheduling import causal_pairs
 
 
 @dataclass(frozen=True)
