@@ -30,18 +30,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows  # noqa: E402
-from radixkv.config import EngineConfig  # noqa: E402
-from radixkv.sim import CostModel, SimResult, simulate  # noqa: E402
-from radixkv.workloads import Request, TokenSource  # noqa: E402
-from radixkv.workloads.request import number  # noqa: E402
+from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
+from radixkv.config import EngineConfig
+from radixkv.sim import CostModel, SimResult, simulate
+from radixkv.workloads import Request, TokenSource
+from radixkv.workloads.request import number
 
 PRESETS: dict[str, dict] = {
     # What vLLM-CPU and transformers were measured on (docs/experiments.md): the default.
@@ -179,6 +175,11 @@ def summarize(cache: str, rows: list[dict], wall: float) -> dict:
 
 
 def plot(rows: list[dict], caches: list[str]):
+    import matplotlib  # here, not at import: bench_engine reuses this module on GPU machines that lack it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for source, style in (("measured", "-"), ("simulated", "--")):
         for i, cache in enumerate(caches):

@@ -1,0 +1,264 @@
+"""The offline GPU check's scripts, on the CPU: gpu_check.sh's arguments, the flashinfer wheel trim, and (with
+PyPI reachable) the real preparation of the wheel folder, whose trimmed flashinfer must still import."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+BUDGET = 60 * 2**20
+
+
+@pytest.fixture(scope="module")
+def trim_module():
+    """scripts/trim_flashinfer_wheel.py as a module, without leaving a __pycache__ in the repo."""
+    spec = importlib.util.spec_from_file_location("trim_flashinfer_wheel", SCRIPTS / "trim_flashinfer_wheel.py")
+    module = importlib.util.module_from_spec(spec)
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = before
+    return module
+
+
+# --- gpu_check.sh's arguments: answered before anything runs ---------------------------------------------------
+
+
+@pytest.fixture
+def no_python(tmp_path):
+    """PATH with a python3 that leaves a mark when run: the argument checks must not get that far."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mark = tmp_path / "python3-ran"
+    stub = bin_dir / "python3"
+    stub.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    stub.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, mark
+
+
+def gpu_check(args, env, cwd):
+    return subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_gpu_check_help(no_python, tmp_path):
+    env, mark = no_python
+    run = gpu_check(["--help"], env, tmp_path)
+    assert run.returncode == 0
+    assert "usage: scripts/gpu_check.sh" in run.stdout and "--wheels DIR" in run.stdout
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--bogus"], "unknown option --bogus"),
+    (["-x"], "unknown option -x (pytest options go after --)"),
+    (["--wheels"], "--wheels needs a value"),
+    (["--wheels", "--timeout", "5"], "--wheels needs a value"),
+    (["--wheels", "{tmp}/nonexistent"], "no such directory"),
+    (["--wheels", "{tmp}"], "no .whl files in it"),
+    (["--timeout", "soon"], "--timeout needs a whole number of seconds"),
+])
+def test_gpu_check_rejects_bad_arguments(no_python, tmp_path, args, says):
+    env, mark = no_python
+    run = gpu_check([a.format(tmp=tmp_path) for a in args], env, tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert says in run.stderr
+    assert not mark.exists()  # nothing installed, nothing run
+
+
+def test_prepare_gpu_wheels_arguments(tmp_path):
+    script = str(SCRIPTS / "prepare_gpu_wheels.sh")
+    run = lambda *a: subprocess.run(["bash", script, *a], capture_output=True, text=True, timeout=30)  # noqa: E731
+    assert run("--help").returncode == 0
+    assert run().returncode == 2
+    assert run("--bogus", str(tmp_path)).returncode == 2
+    (tmp_path / "old-1.0-py3-none-any.whl").write_bytes(b"")
+    busy = run(str(tmp_path))
+    assert busy.returncode == 2 and "already holds wheels" in busy.stderr
+
+
+# --- the trim, on a small wheel shaped like flashinfer's ----------------------------------------------------------
+
+KEPT = {
+    "flashinfer/__init__.py": "from .prefill import BatchPrefillWithPagedKVCacheWrapper\nfrom . import at_import\n",
+    "flashinfer/prefill.py": "class BatchPrefillWithPagedKVCacheWrapper:\n    def plan(self):\n"
+                             "        from .lazy import build  # inside a function of a wrapper module: kept\n",
+    "flashinfer/decode.py": "from .utils import x\nclass BatchDecodeWithPagedKVCacheWrapper:\n    pass\n",
+    "flashinfer/utils.py": "x = 1\n",
+    "flashinfer/lazy.py": "from .jit import core\nbuild = 1\n",
+    "flashinfer/at_import.py": "try:\n    from .experimental import tool\nexcept ImportError:\n    tool = None\n"
+                               "def later():\n    from .only_in_a_function import y  # never followed: cut\n",
+    "flashinfer/experimental/__init__.py": "",
+    "flashinfer/experimental/tool.py": "",
+    "flashinfer/experimental/configs.json": "{}",
+    "flashinfer/jit/__init__.py": "",
+    "flashinfer/jit/core.py": "",
+    "flashinfer/jit/cpp_ext.py": "",
+    "flashinfer/jit/env.py": "",
+    "flashinfer/jit/attention/__init__.py": "",
+    "flashinfer/jit/attention/modules.py": "from ...utils import x\n",
+    "flashinfer/tuning.json": "{}",
+    "flashinfer/data/include/flashinfer/attention/prefill.cuh": "",
+    "flashinfer/data/cutlass/include/cute/tensor.hpp": "",
+    "flashinfer/data/cutlass/tools/util/include/cutlass/util/helper.h": "",
+    "flashinfer/data/cccl/libcudacxx/include/cuda/std/cstdint": "",
+    "flashinfer/data/csrc/batch_prefill.cu": "",
+    "flashinfer/data/csrc/batch_decode_kernel_inst.jinja": "",
+    "flashinfer/data/csrc/tvm_ffi_utils.h": "",
+    "flashinfer_python-0.7.4.dist-info/METADATA": "Metadata-Version: 2.1\nName: flashinfer-python\nVersion: 0.7.4\n",
+    "flashinfer_python-0.7.4.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                               "Tag: py3-none-any\n",
+    "flashinfer_python-0.7.4.dist-info/licenses/LICENSE": "Apache-2.0\n",
+}
+CUT = {
+    "flashinfer/__main__.py": "def cli():\n    pass\n",
+    "flashinfer/only_in_a_function.py": "y = 1\n",
+    "flashinfer/unused.py": "",
+    "flashinfer/experimental/kernels/__init__.py": "",
+    "flashinfer/experimental/kernel.cu": "",
+    "flashinfer/cake_backend/__init__.py": "",
+    "flashinfer/cake_backend/csrc/k.cu": "",
+    "flashinfer/cake_backend/config.json": "{}",
+    "flashinfer/data/csrc/norm.cu": "",
+    "flashinfer/data/csrc/fused_moe/moe.cu": "",
+    "flashinfer/data/cutlass/tools/profiler/main.cpp": "",
+    "flashinfer/data/cccl/cub/cub/cub.cuh": "",
+    "flashinfer/data/spdlog/include/spdlog/spdlog.h": "",
+    "flashinfer/data/build_backend.py": "",
+    "build_backend.py": "",
+    "b12x/__init__.py": "",
+}
+DIST = "flashinfer_python-0.7.4.dist-info"
+
+
+def write_wheel(path: Path, files: dict[str, str]) -> Path:
+    files = dict(files)
+    files[f"{DIST}/top_level.txt"] = "b12x\nbuild_backend\nflashinfer\n"
+    files[f"{DIST}/entry_points.txt"] = "[console_scripts]\nflashinfer = flashinfer.__main__:cli\n"
+    rows = []
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+            rows.append([name, "", ""])  # hashes do not matter in the input
+        z.writestr(f"{DIST}/RECORD", "".join(f"{r[0]},,\n" for r in rows) + f"{DIST}/RECORD,,\n")
+    return path
+
+
+def check_record(wheel: zipfile.ZipFile) -> None:
+    """Every file is in RECORD with its sha256 and size; RECORD lists nothing else."""
+    record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+    rows = list(csv.reader(io.StringIO(wheel.read(record).decode())))
+    assert sorted(r[0] for r in rows) == sorted(wheel.namelist())
+    for name, digest, size in rows:
+        if name == record:
+            assert digest == size == ""
+            continue
+        data = wheel.read(name)
+        assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert int(size) == len(data)
+
+
+def test_trim_keeps_what_the_wrappers_and_jit_use(trim_module, tmp_path):
+    src = write_wheel(tmp_path / "flashinfer_python-0.7.4-py3-none-any.whl", KEPT | CUT)
+    out = trim_module.trim(src, tmp_path / "out")
+    assert out.name == src.name
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        assert names == set(KEPT) | {f"{DIST}/top_level.txt", f"{DIST}/RECORD"}
+        assert z.read(f"{DIST}/top_level.txt") == b"flashinfer\n"  # the top-level names left
+        check_record(z)
+    # the console script's module went, so entry_points.txt went with it: pip makes no broken `flashinfer`
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(target), str(out)], check=True)
+    assert not (target / "bin").exists()
+    run = subprocess.run([sys.executable, "-c", "import flashinfer, flashinfer.decode; print(flashinfer.__file__)"],
+                         env={**os.environ, "PYTHONPATH": str(target)}, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(target / "flashinfer" / "__init__.py")
+
+
+def test_trim_refuses_a_wheel_without_the_wrappers(trim_module, tmp_path):
+    files = KEPT | {"flashinfer/decode.py": "class SomethingElse:\n    pass\n"}
+    with pytest.raises(SystemExit, match="BatchDecodeWithPagedKVCacheWrapper"):
+        trim_module.trim(write_wheel(tmp_path / "flashinfer_python-0.7.4-py3-none-any.whl", files), tmp_path / "o")
+    files = {k: v for k, v in KEPT.items() if k != "flashinfer/jit/env.py"}
+    with pytest.raises(SystemExit, match="flashinfer.jit.env"):
+        trim_module.trim(write_wheel(tmp_path / "flashinfer_python-0.7.4-py3-none-any.whl", files), tmp_path / "o")
+
+
+# --- the real thing: download, trim, and import the trimmed flashinfer ------------------------------------------
+
+def pip_download(dest: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                           "--only-binary=:all:", "--dest", str(dest), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def listed_wheels() -> dict[str, str]:
+    """prepare_gpu_wheels.sh's list: normalized distribution name -> pinned version."""
+    text = (SCRIPTS / "prepare_gpu_wheels.sh").read_text()
+    block = re.search(r"^wheels=\((.*?)^\)", text, re.S | re.M).group(1)
+    pins = re.findall(r'^\s*"([A-Za-z0-9._-]+)==([^\s#"]+)', block, re.M)
+    return {re.sub(r"[-_.]+", "_", name).lower(): version for name, version in pins}
+
+
+def pypi_reachable(tmp_path: Path) -> bool:
+    try:
+        probe = pip_download(tmp_path, "--timeout", "10", "--retries", "0", "iniconfig==2.3.1", timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return probe.returncode == 0
+
+
+def test_prepared_folder_fits_and_its_flashinfer_imports(tmp_path):
+    if not pypi_reachable(tmp_path / "probe"):
+        pytest.skip("PyPI cannot be reached (pip download of a small wheel failed)")
+
+    folder = tmp_path / "wheels"
+    run = subprocess.run(["bash", str(SCRIPTS / "prepare_gpu_wheels.sh"), str(folder)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    wheels = sorted(folder.glob("*.whl"))
+    assert sum(w.stat().st_size for w in wheels) <= BUDGET
+    assert "total:" in run.stdout
+    got = {w.name.split("-")[0].lower(): w.name.split("-")[1] for w in wheels}
+    assert got == listed_wheels()
+    assert {"flashinfer_python", "apache_tvm_ffi", "nvidia_ml_py", "ninja", "transformers", "pytest"} <= set(got)
+    assert all("cp312" in w.name for w in wheels if "-cp3" in w.name and "abi3" not in w.name)
+
+    (flashinfer,) = folder.glob("flashinfer_python-*.whl")
+    assert flashinfer.stat().st_size < 30 * 2**20  # 101 MB untrimmed
+    with zipfile.ZipFile(flashinfer) as z:
+        check_record(z)
+
+    # this interpreter's own apache-tvm-ffi (the folder's is for CPython 3.12), same version
+    extra = tmp_path / "extra"
+    tvm = pip_download(extra, f"apache-tvm-ffi=={got['apache_tvm_ffi']}", timeout=300)
+    assert tvm.returncode == 0, tvm.stderr
+    (nvml,) = folder.glob("nvidia_ml_py-*.whl")
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(target), str(flashinfer), str(nvml),
+                    *map(str, extra.glob("*.whl"))], check=True, timeout=300)
+    code = ("import flashinfer; print(flashinfer.__file__, flashinfer.BatchPrefillWithPagedKVCacheWrapper.__name__, "
+            "flashinfer.BatchDecodeWithPagedKVCacheWrapper.__name__)")
+    imported = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(target)},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert imported.stdout.split()[:3] == [str(target / "flashinfer" / "__init__.py"),
+                                           "BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper"]
