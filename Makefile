@@ -19,8 +19,9 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check radixkv experiments tests
-	# the unit tests, then every notebook executed headless (nbmake)
+	# the unit tests, the package's docstring examples, then every notebook executed headless (nbmake)
 	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --doctest-modules radixkv
 	$(PYTHON) -m pytest -q --nbmake notebooks
 
 lint:

@@ -38,14 +38,14 @@ import torch
 from torch import nn
 
 from experiments.common import environment, parser, run_cli, table, with_ext
+from experiments.multiturn import CACHES, run_cache, summarize
 from experiments.multiturn import parse_args as multiturn_args
-from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
-from radixkv.attention import AttentionBatch, make_backend
+from radixkv.attention import AttentionBatch
+from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
-from radixkv.model.llama import PackedLinear, linear_compute_dtype, pack_linears
-from radixkv.model.ops import ops_for_backend
+from radixkv.model.forward import build_forward
 from radixkv.model.step import run_step
 from radixkv.timing import interleaved, seconds, timed
 
@@ -61,19 +61,17 @@ def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto") ->
     on the model's device (each timed call waits for a GPU to finish)."""
     cfg = model.config
     p = next(model.parameters())
-    pack_linears(model)  # as the engine serves it
     slots_total = 9 * (context + 8) + 64
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=p.dtype,
                   device=p.device)
-    attn = make_backend(backend, pool, cfg.num_heads)
-    model.set_ops(ops_for_backend(attn))  # as the engine serves it
+    forward, attn = build_forward(model, pool, backend)  # as the engine serves it
     alloc = SlotAllocator(slots_total)
     toks = rng.integers(3, cfg.vocab_size, context).tolist()
     seqs = [alloc.alloc(context + 1) for _ in range(8)]
 
     def step(tokens, batch: AttentionBatch):
         def run():
-            run_step(model, pool, attn, tokens, batch)
+            run_step(forward, pool, attn, tokens, batch)
             if p.device.type == "cuda":
                 torch.cuda.synchronize(p.device)
         return run
@@ -234,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed)])
     summary = {}
-    for cache in ("none", "hash", "radix"):
+    for cache in CACHES:
         rows, wall, _ = run_cache(cache, mt)
         summary[cache] = summarize(cache, rows, wall)
     cols = ["cache", "end_to_end_s", "prefill_tokens", "hit_rate", *[f"ttft_mean_t{t}" for t in range(1, 5)],
@@ -286,7 +284,7 @@ def gpu_main(args) -> dict:
     for backend in GPU_BACKENDS:
         mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--device",
                              args.device, "--attention-backend", backend, *shape])
-        for cache in ("none", "hash", "radix"):
+        for cache in CACHES:
             rows, wall, _ = run_cache(cache, mt)
             summary[f"{backend}/{cache}"] = summarize(cache, rows, wall) | {"backend": backend}
         loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)

@@ -22,9 +22,9 @@ from tqdm import tqdm
 from experiments.common import environment, parser, run_cli, with_ext
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
+from radixkv.cpu.linear import pack_linears
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
-from radixkv.model.llama import pack_linears
 from radixkv.model.step import run_step
 from radixkv.timing import timed
 
@@ -52,7 +52,7 @@ class Ours:
 
 def bench_dtype(loaded, dtype: torch.dtype, lengths: list[int], repeats: int, rng) -> list[dict]:
     model = copy.deepcopy(loaded.model).to(dtype)
-    pack_linears(model)  # as the engine serves 16-bit weights on a CPU (a no-op in float32)
+    pack_linears(model)  # as the engine's CPU path serves 16-bit weights (a no-op in float32)
     hf = loaded.hf_model.to(dtype)
     vocab = model.config.vocab_size
     ours = Ours(model, max(*lengths, 1152) + 256)

@@ -34,7 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
-from radixkv.config import EngineConfig
+from radixkv.cache import CACHES as ALL_CACHES
+from radixkv.config import ATTENTION_BACKENDS, EngineConfig
 from radixkv.sim import CostModel, SimResult, simulate
 from radixkv.workloads import Request, TokenSource
 from radixkv.workloads.request import number
@@ -196,7 +197,7 @@ def plot(rows: list[dict], caches: list[str]):
     return fig
 
 
-CACHES = ("none", "hash", "radix")
+CACHES = tuple(reversed(ALL_CACHES))  # radixkv.cache.CACHES, none first: the baseline the others are set against
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -223,7 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the engine's token budget per step (decodes and prefill chunks)")
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--attention-backend", default="auto", help="auto | torch | torch-cascade | cpu | flashinfer")
+    p.add_argument("--attention-backend", default="auto", help=" | ".join(ATTENTION_BACKENDS))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -7,6 +7,7 @@ from radixkv.cache import (
     NoPrefixCache,
     PrefixCache,
     RadixCache,
+    make_cache,
     match_for_prefill,
 )
 from radixkv.memory import OutOfSlotsError, SlotAllocator
@@ -46,5 +47,6 @@ __all__ = [
     "PrefixCache",
     "RadixCache",
     "SlotAllocator",
+    "make_cache",
     "match_for_prefill",
 ]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import asdict, dataclass
-from numbers import Integral, Real
 
 from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.cache.factory import CACHES
+from radixkv.checks import is_int, is_real
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 
-PREFIX_CACHES = ("radix", "hash", "none")
+PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
 ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16")
 FLASHINFER_DTYPES = ("bfloat16", "float16")  # FlashInfer has no float32 attention kernels
@@ -60,8 +60,8 @@ class EngineConfig:
             object.__setattr__(self, "model", os.fspath(self.model))
         ints = ("page_size", "block_size", "max_batch_tokens", "chunked_prefill_size", "max_running",
                 "in_batch_sharing", "seed")
-        types = [(_is_int(getattr(self, name)), f"{name} must be an integer") for name in ints] + [
-            (self.kv_cache_tokens is None or _is_int(self.kv_cache_tokens),
+        types = [(is_int(getattr(self, name)), f"{name} must be an integer") for name in ints] + [
+            (self.kv_cache_tokens is None or is_int(self.kv_cache_tokens),
              "kv_cache_tokens must be an integer or None"),
             (isinstance(self.record_steps, bool), "record_steps must be a bool"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
@@ -115,17 +115,17 @@ class SamplingParams:
         # Checked here, not where they are used: a value that failed inside a batch would stop the batch.
         stops = self.stop_token_ids
         try:
-            stops = () if stops is None else (stops,) if _is_int(stops) else tuple(stops)
+            stops = () if stops is None else (stops,) if is_int(stops) else tuple(stops)
         except TypeError:
             raise ValueError(f"invalid SamplingParams: stop_token_ids must be integers (got {stops!r})") from None
         checks = [
-            (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
-            (_is_real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
-            (_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
-            (_is_int(self.top_k) and self.top_k >= -1, "top_k must be an integer: -1 or 0 (off), or >= 1"),
-            (self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed must be None or "
+            (is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
+            (is_real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
+            (is_real(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
+            (is_int(self.top_k) and self.top_k >= -1, "top_k must be an integer: -1 or 0 (off), or >= 1"),
+            (self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed must be None or "
              "an integer in [-2**63, 2**64), the range torch.Generator takes"),
-            (all(map(_is_int, stops)), "stop_token_ids must be integers"),
+            (all(map(is_int, stops)), "stop_token_ids must be integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
         ]
         for ok, message in checks:
@@ -135,17 +135,3 @@ class SamplingParams:
         for name in ("max_new_tokens", "top_k", "seed"):  # numpy integers pass the checks; torch wants int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    """A finite real number (not a bool); an int too large for a float is not one."""
-    if not isinstance(x, Real) or isinstance(x, bool):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False

@@ -19,21 +19,18 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 
-import numpy as np
 import torch
 
-from radixkv.attention import AttentionBatch, make_backend
-from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache, match_for_prefill
-from radixkv.cache.lifecycle import commit_prefix, release_sequence
+from radixkv.attention import AttentionBatch
+from radixkv.cache import make_cache
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
-from radixkv.model.llama import pack_linears
-from radixkv.model.ops import ops_for_backend
+from radixkv.model.forward import build_forward
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
-from radixkv.scheduling import Candidate, admission_order, make_policy
+from radixkv.scheduling import RequestState, Scheduler, make_policy
 
 ROLES = ("system", "user", "assistant")
 
@@ -54,24 +51,24 @@ class RequestOutput:
 
 
 @dataclass(eq=False)
-class _Seq:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    namespace: Hashable
-    arrival: float
-    generator: torch.Generator | None
+class _Seq(RequestState):
+    """A request in the engine: the scheduler's record plus what sampling needs."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0
+    generator: torch.Generator | None = None
+    device: str = "cpu"
     output: list[int] = field(default_factory=list)
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    cached: int = 0  # leading slots owned by the cache (locked through ``node``)
-    computed: int = 0  # leading tokens whose KV is in the pool
-    node: object = None
-    hit: int = -1  # prompt tokens matched in the cache at its first admission (-1: not admitted yet)
     token_times: list[float] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def reset(self) -> None:
+        super().reset()
+        self.output, self.token_times = [], []
+        self.generator = seeded_generator(self.params.seed, self.device)  # a recomputation samples the same tokens
 
 
 class LLM:
@@ -92,7 +89,6 @@ class LLM:
         cfg = self.config
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        pack_linears(self.model)  # 16-bit weights on a CPU: oneDNN's layout, same outputs
         mc = self.model.config
         ps, dtype = cfg.kv_page_size, getattr(torch, cfg.dtype)
         tokens = cfg.kv_cache_tokens or default_kv_tokens(
@@ -100,19 +96,17 @@ class LLM:
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=ps,
                            dtype=dtype, device=cfg.device)
         self.allocator = SlotAllocator(self.pool.num_slots, ps)
-        self.cache = {"radix": lambda: RadixCache(cfg.page_size, cfg.eviction_policy),
-                      "hash": lambda: HashBlockCache(cfg.block_size, eviction_policy=cfg.eviction_policy),
-                      "none": NoPrefixCache}[cfg.prefix_cache]()
-        self.backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads)
-        self.model.set_ops(ops_for_backend(self.backend))  # the cpu backend's kernels also fuse elementwise steps
+        self.cache = make_cache(cfg.prefix_cache, page_size=cfg.page_size, block_size=cfg.block_size,
+                                eviction_policy=cfg.eviction_policy)
+        # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
+        self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend)
         sharing = cfg.in_batch_sharing if cfg.prefix_cache != "none" else 0
-        self.policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing, page_size=ps)
-        self.waiting: list[_Seq] = []
-        self.running: list[_Seq] = []
+        policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing, page_size=ps)
+        self.scheduler = Scheduler(self.cache, self.allocator, policy, max_running=cfg.max_running,
+                                   max_batch_tokens=cfg.max_batch_tokens, chunked_prefill_size=cfg.chunked_prefill_size)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
-        self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                       "evicted_tokens": 0, "evictions": 0, "preemptions": 0, "steps": 0, "step_s": 0.0, "model_s": 0.0}
+        self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0}  # the scheduler counts tokens
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
 
     # ----------------------------------------------------------------- requests
@@ -147,9 +141,17 @@ class LLM:
     def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(_Seq(rid, ids, params, namespace, time.perf_counter(),
-                                 seeded_generator(params.seed, self.config.device)))
+        self.scheduler.add(_Seq(rid, ids, namespace, params=params, arrival=time.perf_counter(),
+                                generator=seeded_generator(params.seed, self.config.device), device=self.config.device))
         return rid
+
+    @property
+    def waiting(self) -> list[_Seq]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[_Seq]:
+        return self.scheduler.running
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or finished but not yet returned by ``step()``."""
@@ -159,7 +161,7 @@ class LLM:
         """Schedule one batch, run the model once, and return the requests that finished."""
         t0 = time.perf_counter()
         unclaimed, self._unclaimed = self._unclaimed, []
-        batch = self._schedule()
+        batch = self.scheduler.schedule()
         if not batch:
             return unclaimed
         prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
@@ -170,7 +172,7 @@ class LLM:
         except Exception:  # in the model, the cache insertion, sampling or detokenizing
             # the engine goes on without the failed batch; outputs already finished wait for the next step()
             self._unclaimed = unclaimed + finished + self._unclaimed
-            self._withdraw({s.rid for s, _ in batch})
+            self.scheduler.withdraw({s.rid for s, _ in batch})
             raise
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
@@ -212,7 +214,7 @@ class LLM:
                     else:  # added with add_request: the next step() returns it
                         self._unclaimed.append(out)
         except BaseException:  # a failed step (or Ctrl-C): withdraw this call's requests, keep the others
-            self._withdraw(mine)
+            self.scheduler.withdraw(mine)
             self._unclaimed = [o for o in self._unclaimed if o.request_id not in mine]
             raise
         self.check_idle()
@@ -246,7 +248,7 @@ class LLM:
         the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
         engine's own share (scheduling, cache, metadata, attention planning, sampling).
         """
-        s = dict(self._stats)
+        s = self.scheduler.stats | self._stats
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
@@ -254,6 +256,7 @@ class LLM:
     def reset_stats(self) -> None:
         """Zero the counters and the step log (the cache keeps its contents): e.g. after a warm-up request."""
         self._stats = {k: type(v)() for k, v in self._stats.items()}
+        self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
         self.step_log = []
 
     def check_idle(self) -> None:
@@ -262,103 +265,6 @@ class LLM:
         held = self.allocator.num_free + self.cache.evictable_size + self.cache.protected_size
         if not (self.waiting or self.running) and held != self.allocator.capacity:
             raise AssertionError(f"slots leaked: free + evictable + protected = {held} != {self.allocator.capacity}")
-
-    # --------------------------------------------------------------- scheduling
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        cfg, batch, budget = self.config, [], self.config.max_batch_tokens
-        for s in list(self.running):
-            if s not in self.running:
-                continue  # preempted while making room for an earlier one
-            n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, cfg.chunked_prefill_size,
-                                                          budget)
-            if n < 1 or n > budget:
-                continue  # the budget is spent: it runs next step
-            if self._reserve(s, n, batch):
-                batch.append((s, n))
-                budget -= n
-        # Ranked only when something can be admitted: ranking costs a match per waiting request (and a
-        # draw of the random policy, which the simulator then reproduces step for step).
-        for s in self._admission_order() if budget > 0 and len(self.running) < cfg.max_running else ():
-            if budget <= 0 or len(self.running) >= cfg.max_running:
-                break
-            m = match_for_prefill(self.cache, s.prompt, s.namespace)
-            self.cache.lock(m.node)
-            s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
-            n = min(len(s.prompt) - s.computed, cfg.chunked_prefill_size, budget)
-            if not self._allocate(s, n):
-                self.cache.unlock(m.node)
-                s.node, s.slots, s.cached, s.computed = None, np.zeros(0, dtype=np.int64), 0, 0
-                break
-            self.waiting.remove(s)
-            self.running.append(s)
-            if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
-                s.hit = m.length
-                self._stats["prompt_tokens"] += len(s.prompt)
-                self._stats["cached_tokens"] += m.length
-            batch.append((s, n))
-            budget -= n
-        return batch
-
-    def _admission_order(self) -> list[_Seq]:
-        """The waiting requests in policy order, ranked once per step (each is matched again when admitted)."""
-        if not self.waiting:
-            return []
-        cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
-                           if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
-        in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
-                     if s.computed < len(s.prompt)]  # prefills whose chunks will cache what they share
-        return [c.request for c in admission_order(self.policy, cands, in_flight)]
-
-    def _allocate(self, s: _Seq, n: int) -> bool:
-        """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.
-
-        The slots continue the request's last page, so its slots fill pages in order.
-        """
-        # Slots left in the request's own last page need no eviction.
-        room = 0 if not len(s.slots) or len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
-        need = n - min(room, n)
-        if self.allocator.num_free < need:
-            freed = self.cache.evict(need - self.allocator.num_free)
-            self.allocator.free(freed)
-            self._stats["evicted_tokens"] += len(freed)
-            self._stats["evictions"] += bool(len(freed))
-        if self.allocator.num_free < need:
-            return False
-        last = int(s.slots[-1]) if len(s.slots) else None
-        if len(s.slots) <= s.cached:
-            last = None  # the cache's pages are whole: start a fresh page
-        s.slots = np.concatenate([s.slots, self.allocator.extend(last, n)])
-        return True
-
-    def _reserve(self, s: _Seq, n: int, batch: list) -> bool:
-        """``_allocate`` for a running request, preempting the newest others (not in the batch) if needed."""
-        scheduled = {id(b[0]) for b in batch}
-        while not self._allocate(s, n):
-            victims = [v for v in self.running if v is not s and id(v) not in scheduled]
-            self._preempt(victims[-1] if victims else s)
-            if not victims:
-                return False
-        return True
-
-    def _withdraw(self, rids: set[int]) -> None:
-        """Drop the unfinished requests with these ids, freeing what they hold."""
-        for s in [s for s in self.running if s.rid in rids]:
-            self._release_unfinished(s)
-            self.running.remove(s)
-        self.waiting = [s for s in self.waiting if s.rid not in rids]
-
-    def _release_unfinished(self, s: _Seq) -> None:
-        """Free the request's own KV and unlock what it holds in the cache (its cached prefix stays cached)."""
-        self.allocator.free(s.slots[s.cached:])
-        self.cache.unlock(s.node)
-        s.node, s.slots, s.cached, s.computed, s.output, s.token_times = None, np.zeros(0, np.int64), 0, 0, [], []
-
-    def _preempt(self, s: _Seq) -> None:
-        self._release_unfinished(s)
-        s.generator = seeded_generator(s.params.seed, self.config.device)  # a recomputation samples the same tokens
-        self.running.remove(s)
-        self.waiting.insert(0, s)
-        self._stats["preemptions"] += 1
 
     # ------------------------------------------------------------------ running
     def _forward(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, AttentionBatch, float]:
@@ -369,26 +275,20 @@ class LLM:
         self._stats["steps"] += 1
         x = prepare_step(self.pool, self.backend, toks, ab)
         t0 = time.perf_counter()
-        logits = self.model(x.ids, x.positions, x.out_slots, self.pool, self.backend, qo_indptr=x.qo_indptr)
+        logits = self.forward_fn(x.ids, x.positions, x.out_slots, self.pool, self.backend, qo_indptr=x.qo_indptr)
         return logits, ab, time.perf_counter() - t0
 
     def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
                      finished: list[RequestOutput]) -> None:
-        """Advance each request past its new tokens, sample where a prompt is done, append finished outputs."""
-        sampling = []
-        for s, n in batch:
-            prefilling = s.computed < len(s.prompt)
-            s.computed += n
-            self._stats["prefill_tokens" if prefilling else "decode_tokens"] += n
-            if prefilling:
-                self._cache_progress(s)  # a finished chunk (or the whole prompt) joins the cache
-            if s.computed >= len(s.prompt):
-                sampling.append(s)
-        if not sampling:
+        """Commit the step (finished prefill chunks join the cache), sample where a prompt is done, and
+        append the outputs of the requests that finished."""
+        self.scheduler.commit(batch)
+        rows = [i for i, (s, _) in enumerate(batch) if not s.prefilling]
+        if not rows:
             return
-        rows = torch.stack([logits[i] for i, (s, _) in enumerate(batch) if s in sampling])
+        sampling = [batch[i][0] for i in rows]
         specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
-        tokens = sample(rows, specs, [s.generator for s in sampling]).tolist()
+        tokens = sample(logits[rows], specs, [s.generator for s in sampling]).tolist()
         now = time.perf_counter()
         for s, tok in zip(sampling, tokens, strict=True):
             s.output.append(tok)
@@ -400,16 +300,8 @@ class LLM:
         return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids
                 or (not s.params.ignore_eos and tok in self.model.config.eos_token_ids))
 
-    def _cache_progress(self, s: _Seq) -> None:
-        """Insert the request's computed prompt tokens; free duplicates; adopt the cache's slots and move the lock."""
-        toks = s.prompt[: min(s.computed, len(s.prompt))]
-        s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, toks, s.slots, s.cached, s.node,
-                                                  s.namespace)
-
     def _finish(self, s: _Seq) -> RequestOutput:
-        seq = s.tokens[:-1]  # the last token's KV was never computed
-        release_sequence(self.cache, self.allocator, seq, s.slots[: len(seq)], s.cached, s.node, s.namespace)
-        self.running.remove(s)
+        self.scheduler.finish(s, s.tokens[:-1])  # the last token's KV was never computed
         text = self.tokenizer.decode(s.output, skip_special_tokens=True) if self.tokenizer is not None else ""
         times = s.token_times
         return RequestOutput(s.rid, s.prompt, s.output, text, len(s.prompt), s.hit, times[0], times[-1], times)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import torch
-
-from radixkv import hugepages
 
 
 class KVPool:
@@ -18,7 +18,9 @@ class KVPool:
     the prefix caches hold.
 
     Size it from a slot count or from a byte budget (``max_bytes``: the
-    largest whole number of pages whose K and V for every layer fit).
+    largest whole number of pages whose K and V for every layer fit). All
+    layers' K and V are views of one buffer, which ``reallocate`` can move
+    (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages).
     """
 
     def __init__(
@@ -46,14 +48,28 @@ class KVPool:
         self.num_pages = int(num_slots) // page_size
         if self.num_pages < 1:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        # k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        full = (num_layers, 2, *shape)  # [layer, K or V, slot, head, dim], one buffer
-        # on the CPU in huge pages: decode streams all of it (radixkv.hugepages)
-        kv = hugepages.zeros(full, dtype) if self.device.type == "cpu" else torch.zeros(full, dtype=dtype,
-                                                                                          device=self.device)
-        self.k = [kv[i, 0] for i in range(num_layers)]
-        self.v = [kv[i, 1] for i in range(num_layers)]
+        # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
+        self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device))
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        """The shape of the one buffer that holds every layer's K and V: ``[layers, 2, slots, kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def reallocate(self, zeros: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        """Move K and V into a buffer from ``zeros(buffer_shape, dtype)`` (on the pool's device), keeping what is
+        stored. Views of the old buffer taken earlier (``k[layer]``) no longer see the pool: call it before serving."""
+        kv = zeros(self.buffer_shape, self.dtype)
+        if tuple(kv.shape) != self.buffer_shape or kv.dtype != self.dtype or kv.device.type != self.device.type:
+            raise ValueError(f"reallocate: got a {tuple(kv.shape)} {kv.dtype} buffer on {kv.device}, not "
+                             f"{self.buffer_shape} {self.dtype} on {self.device}")
+        kv.copy_(self._kv)
+        self._use(kv)
+
+    def _use(self, kv: torch.Tensor) -> None:
+        self._kv = kv
+        self.k = [kv[i, 0] for i in range(self.num_layers)]
+        self.v = [kv[i, 1] for i in range(self.num_layers)]
 
     @property
     def num_slots(self) -> int:

@@ -42,13 +42,12 @@ import numpy as np
 
 from radixkv.cache.base import PrefixCache, match_for_prefill
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
-from radixkv.cache.hash_block import HashBlockCache
-from radixkv.cache.lifecycle import commit_prefix, release_sequence
+from radixkv.cache.factory import make_cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
-from radixkv.config import _is_int, _is_real
+from radixkv.checks import is_int, is_real
 from radixkv.memory import SlotAllocator
-from radixkv.scheduling import Candidate, admission_order, causal_pairs, make_policy
+from radixkv.scheduling import RequestState, Scheduler, causal_pairs, make_policy
 from radixkv.workloads.request import Request
 
 
@@ -76,7 +75,7 @@ class CostModel:
     step_overhead: float = 0.0005
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in asdict(self).items() if not (_is_real(v) and v >= 0)}
+        bad = {k: v for k, v in asdict(self).items() if not (is_real(v) and v >= 0)}
         if bad:
             raise ValueError(f"CostModel constants must be finite numbers >= 0 (seconds), got {bad}")
 
@@ -147,6 +146,7 @@ class SimResult:
     hit_tokens: int = 0
     computed_tokens: int = 0
     evicted_tokens: int = 0
+    preemptions: int = 0
     rejected: int = 0
     makespan: float = 0.0
     config: dict = field(default_factory=dict)
@@ -169,26 +169,23 @@ class SimResult:
         return {
             "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
             "computed_tokens": self.computed_tokens, "evicted_tokens": self.evicted_tokens,
-            "rejected": self.rejected, "makespan": self.makespan, **stats,
+            "preemptions": self.preemptions, "rejected": self.rejected, "makespan": self.makespan, **stats,
         }
 
 
-@dataclass
-class _Running:
-    req: Request
-    ready: float  # when it was sent (arrival, or parent finish + think time)
-    node: Any
-    hit: int
-    slots: np.ndarray  # the cached prefix's slots followed by the newly allocated ones
-    admitted: float
+@dataclass(eq=False)
+class _Running(RequestState):
+    """A request in the simulator: the scheduler's record plus its clock."""
+
+    req: Request | None = None
+    ready: float = 0.0  # when it was sent (arrival, or parent finish + think time)
+    admitted: float = 0.0
     first_token: float = -1.0
     generated: int = 0
-    cached: int = 0  # leading slots that are the cache's own (the inserted chunks, the matched prefix)
-    computed: int = 0  # leading prompt tokens whose KV exists (the match, then each finished chunk)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.req.prompt)
+    def reset(self) -> None:
+        super().reset()
+        self.first_token, self.generated = -1.0, 0
 
 
 def _output_tokens(req: Request, fresh: list[int]) -> np.ndarray:
@@ -202,20 +199,19 @@ def _output_tokens(req: Request, fresh: list[int]) -> np.ndarray:
 
 def _make_cache(cache: str | PrefixCache, page_size: int, block_size: int, eviction_policy: str,
                 requests: Sequence[Request]) -> PrefixCache:
+    """``cache`` itself if it is a cache object, else ``make_cache`` (with the requests' future uses for Belady)."""
     if not isinstance(cache, str):
         return cache
+    future = None
     if eviction_policy == "belady":
-        if cache != "radix":
-            raise ValueError("eviction_policy='belady' is implemented for cache='radix' only")
         future = FutureUses([(_cacheable_prompt(r.prompt), r.namespace) for r in requests], page_size)
-        return BeladyRadixCache(future, page_size=page_size)
-    if cache == "radix":
-        return RadixCache(page_size=page_size, eviction_policy=eviction_policy)
-    if cache == "hash":
-        return HashBlockCache(block_size=block_size, eviction_policy=eviction_policy)
-    if cache == "none":
-        return NoPrefixCache()
-    raise ValueError(f"unknown cache {cache!r}; choose 'radix', 'hash' or 'none'")
+    options = {} if future is None else {"future": future}
+    return make_cache(cache, page_size=page_size, block_size=block_size, eviction_policy=eviction_policy, **options)
+
+
+def _whole_kv(run: _Running) -> int:
+    """A request's KV tokens from admission to finish: prompt + output, but the last token's (never computed)."""
+    return len(run.prompt) + run.req.output_len - 1
 
 
 def _cacheable_prompt(prompt: np.ndarray) -> np.ndarray:
@@ -225,10 +221,9 @@ def _cacheable_prompt(prompt: np.ndarray) -> np.ndarray:
 class _Simulation:
     """State of one run; ``simulate`` is its only user."""
 
-    def __init__(self, requests, cache, allocator, policy, max_running, cost, max_batch_tokens, chunk):
-        self.requests, self.cache, self.alloc = requests, cache, allocator
-        self.policy, self.max_running, self.cost = policy, max_running, cost
-        self.max_batch_tokens, self.chunk = max_batch_tokens, chunk  # math.inf where unlimited
+    def __init__(self, requests, scheduler: Scheduler, cost: CostModel):
+        self.requests, self.scheduler, self.cost = requests, scheduler, cost
+        self.cache, self.alloc = scheduler.cache, scheduler.allocator
         self.result = SimResult()
         self.now = 0.0
         self.ready_at = {r.rid: r.arrival for r in requests}
@@ -240,10 +235,8 @@ class _Simulation:
             for d in deps:
                 self.dependents.setdefault(d, []).append(r.rid)
         self.pending = sorted((r.arrival, r.rid) for r in requests if not self.blockers[r.rid])  # (ready, rid)
-        self.waiting: dict[int, Request] = {}  # rid -> request, in arrival order
-        self.running: list[_Running] = []
         self.fresh = [-1]
-        self.future = cache.future if isinstance(cache, BeladyRadixCache) else None
+        self.future = self.cache.future if isinstance(self.cache, BeladyRadixCache) else None
 
     # -- arrivals ------------------------------------------------------------
     def _release(self, rid: int, t: float) -> None:
@@ -252,10 +245,7 @@ class _Simulation:
             self.ready_at[child] = max(self.ready_at[child], t + self.requests[child].think_time)
             self.blockers[child] -= 1
             if not self.blockers[child]:
-                self._push_pending(self.ready_at[child], child)
-
-    def _push_pending(self, t: float, rid: int) -> None:
-        bisect.insort(self.pending, (t, rid))
+                bisect.insort(self.pending, (self.ready_at[child], child))
 
     def _arrive(self) -> None:
         while self.pending and self.pending[0][0] <= self.now:
@@ -264,7 +254,7 @@ class _Simulation:
             if len(req.prompt) + req.output_len - 1 > self.alloc.capacity:
                 self._reject(req)
             else:
-                self.waiting[req.rid] = req
+                self.scheduler.add(_Running(req.rid, req.prompt, req.namespace, req=req, ready=self.ready_at[rid]))
 
     def _reject(self, req: Request) -> None:
         self.result.rejected += 1
@@ -274,70 +264,10 @@ class _Simulation:
             self.future.served(req.rid)
         self._release(req.rid, self.now)
 
-    # -- admission -----------------------------------------------------------
-    def _admit(self, budget: float) -> list[tuple[_Running, int]]:
-        """Admit waiting requests in policy order while tokens, batch slots and KV last; each with its first chunk."""
-        if not self.waiting or len(self.running) >= self.max_running or budget < 1:
-            return []
-        waiting = self.waiting.values()
-        if self.policy.needs_match:
-            cands = [Candidate(r, r.prompt, match_for_prefill(self.cache, r.prompt, r.namespace), r.rid, r.namespace)
-                     for r in waiting]
-            in_flight = [Candidate(s.req, s.req.prompt, None, s.req.rid, s.req.namespace)
-                         for s in self.running if s.prefilling]  # as the engine: prefills still running
-            order = [c.request for c in admission_order(self.policy, cands, in_flight)]
-        elif self.policy.name == "fcfs":
-            order = waiting  # already in arrival order: no need to rank a long queue every step
-        else:
-            order = [c.request for c in self.policy.order([
-                Candidate(r, r.prompt, None, r.rid, r.namespace) for r in waiting])]
-        admitted = []
-        for req in order:
-            if len(self.running) + len(admitted) >= self.max_running or budget < 1:
-                break
-            state = self._try_admit(req)
-            if state is None:
-                break  # out of KV memory until a running request finishes
-            n = int(min(len(req.prompt) - state.computed, self.chunk, budget))
-            admitted.append((state, n))
-            budget -= n
-        for state, _ in admitted:
-            del self.waiting[state.req.rid]
-        return admitted
-
-    def _try_admit(self, req: Request) -> _Running | None:
-        m = match_for_prefill(self.cache, req.prompt, req.namespace)  # again: earlier admissions may have evicted
-        self.cache.lock(m.node)
-        need = len(req.prompt) - m.length + req.output_len - 1
-        if self.alloc.num_free < need:
-            freed = self.cache.evict(need - self.alloc.num_free)
-            self.alloc.free(freed)
-            self.result.evicted_tokens += len(freed)
-        if self.alloc.num_free < need:
-            self.cache.unlock(m.node)
-            return None
-        if self.future is not None:
-            self.future.served(req.rid)
-        slots = np.concatenate([m.indices, self.alloc.alloc(need)])
-        return _Running(req, self.ready_at[req.rid], m.node, m.length, slots, self.now, cached=m.length,
-                        computed=m.length)
-
     # -- steps ---------------------------------------------------------------
-    def _cache_chunk(self, run: _Running) -> None:
-        """After a prefill chunk: the prompt's computed KV joins the cache, as in the engine (and SGLang, vLLM).
-
-        Duplicates (computed by a request admitted in the same step) are
-        freed and the request's slots become the cache's canonical ones; its
-        lock moves to the node that now ends its computed prompt.
-        """
-        req = run.req
-        run.node, run.cached, run.slots = commit_prefix(self.cache, self.alloc, req.prompt[: run.computed],
-                                                        run.slots, run.cached, run.node, req.namespace)
-
     def _finish(self, run: _Running) -> None:
         req = run.req
-        seq = np.concatenate([req.prompt, _output_tokens(req, self.fresh)[:-1]])
-        release_sequence(self.cache, self.alloc, seq, run.slots, run.cached, run.node, req.namespace)
+        self.scheduler.finish(run, np.concatenate([req.prompt, _output_tokens(req, self.fresh)[:-1]]))
         n = len(req.prompt)
         self.result.per_request.append({
             "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,
@@ -350,61 +280,56 @@ class _Simulation:
         self.result.computed_tokens += n - run.hit
         self._release(req.rid, self.now)
 
+    def _strides(self, decoding: list[_Running], dt: float) -> int:
+        """How many decode-only steps to take at once: until one finishes or the next request arrives,
+        with the KV for all of them allocated now (one step when that would need an eviction)."""
+        strides = min(s.req.output_len - s.generated for s in decoding)
+        if self.pending and dt > 0:
+            strides = max(1, min(strides, math.ceil((self.pending[0][0] - self.now) / dt)))
+        return strides if strides == 1 or self.scheduler.extend_decodes(decoding, strides - 1) else 1
+
     def step(self) -> None:
-        budget = self.max_batch_tokens
-        chunks: list[tuple[_Running, int]] = []
-        decoding: list[_Running] = []
-        if budget == math.inf and self.chunk == math.inf:  # prompts are prefilled whole: every running one decodes
-            decoding = list(self.running)
-        else:
-            for s in self.running:  # the engine's order: running requests first, in admission order
-                if s.prefilling:
-                    n = int(min(len(s.req.prompt) - s.computed, self.chunk, budget))
-                    if n >= 1:
-                        chunks.append((s, n))
-                        budget -= n
-                elif budget >= 1:
-                    decoding.append(s)
-                    budget -= 1
-        admitted = self._admit(budget)
-        chunks += admitted
-        if not chunks and not decoding:
+        batch = self.scheduler.schedule()
+        for s in self.scheduler.newly_admitted:
+            s.admitted = self.now
+            if self.future is not None:
+                self.future.served(s.rid)
+        if not batch:
             raise RuntimeError("simulator stalled: a step with nothing to run")  # budget >= 1 and an empty pool admits
+        chunks = [(s, n) for s, n in batch if s.prefilling]
+        decoding = [s for s, _ in batch if not s.prefilling]
         tokens = sum(n for _, n in chunks)
         pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
         strides = 1
-        if not chunks and len(decoding) == len(self.running):  # decodes only, until one finishes or arrives
-            strides = min(s.req.output_len - s.generated for s in decoding)
-            if self.pending and dt > 0:  # stop striding when the next request arrives
-                strides = max(1, min(strides, math.ceil((self.pending[0][0] - self.now) / dt)))
+        if not chunks and len(decoding) == len(self.scheduler.running):  # decodes only
+            strides = self._strides(decoding, dt)
         self.now += dt * strides
         self.result.steps.append((tokens, pairs, len(decoding), strides))
+        self.scheduler.commit(batch, decode_tokens=strides)
         for s in decoding:
             s.generated += strides
-        for s, n in chunks:
-            s.computed += n
-            self._cache_chunk(s)
+        for s, _ in chunks:
             if not s.prefilling:  # the last chunk's logits give the first token
                 s.first_token, s.generated = self.now, 1
-        self.running += [s for s, _ in admitted]
-        done = [s for s in self.running if s.generated >= s.req.output_len]
-        self.running = [s for s in self.running if s.generated < s.req.output_len]
-        for s in done:
+        for s in [s for s in self.scheduler.running if s.generated >= s.req.output_len]:
             self._finish(s)
 
     def run(self) -> SimResult:
-        while self.pending or self.waiting or self.running:
-            if not self.waiting and not self.running:
+        sched = self.scheduler
+        while self.pending or sched.waiting or sched.running:
+            if not sched.waiting and not sched.running:
                 self.now = max(self.now, self.pending[0][0])
             self._arrive()
-            if self.waiting or self.running:
+            if sched.waiting or sched.running:
                 self.step()
         if len(self.result.per_request) < len(self.requests):
             served = {row["rid"] for row in self.result.per_request}
             stuck = [r.rid for r in self.requests if r.rid not in served]
             raise ValueError(f"requests {stuck[:5]} were never sent: their parent / after links form a cycle")
         self.result.makespan = self.now
+        self.result.evicted_tokens = sched.stats["evicted_tokens"]
+        self.result.preemptions = sched.stats["preemptions"]
         self.result.per_request.sort(key=lambda row: row["rid"])
         return self.result
 
@@ -423,29 +348,27 @@ def simulate(
     in_batch_sharing: int | None = None,
     max_batch_tokens: int | None = None,
     chunked_prefill_size: int | None = None,
+    preemption: bool = False,
 ) -> SimResult:
     """Replay ``requests`` through one cache under one KV budget; see the module doc.
 
     Args:
         cache: ``radix``, ``hash``, ``none`` or a ready ``PrefixCache`` object.
         capacity_tokens: the KV budget in tokens; None means unlimited.
-        page_size / block_size: granularity of the radix tree / hash blocks
-            (the allocator uses the cache's granularity).
+        page_size / block_size: granularity of the radix tree / hash blocks (the allocator takes the cache's).
         eviction_policy: as the caches take it, or ``belady`` (radix only).
         schedule_policy: ``fcfs``, ``lpm``, ``dfs-weight`` or ``random`` (seeded by ``seed``).
-        in_batch_sharing: a token threshold enabling in-batch prefix sharing (not
-            applied with ``cache="none"``, as in the engine; the config records None then).
-        max_batch_tokens / chunked_prefill_size: the engine's token budget per
-            step and per prefill chunk (``EngineConfig``); None: unlimited, so
-            every admitted prompt is prefilled whole in one step.
+        in_batch_sharing: a token threshold enabling in-batch prefix sharing (not applied with
+            ``cache="none"``, as in the engine; the config records None then).
+        max_batch_tokens / chunked_prefill_size: the engine's token budgets per step and per prefill chunk;
+            None: unlimited, so every admitted prompt is prefilled whole in one step.
+        preemption: False: a request reserves its whole KV (uncached prompt + output - 1) when admitted and
+            nothing is preempted. True: KV grows as in the engine, a chunk or a token at a time, and a request
+            short of memory preempts the newest running one (``SimResult.preemptions``).
     """
     requests = _numbered(list(requests))
-    if max_running < 1:
-        raise ValueError(f"max_running must be >= 1, got {max_running}")
     limits = {"max_batch_tokens": max_batch_tokens, "chunked_prefill_size": chunked_prefill_size}
-    bad = {k: v for k, v in limits.items() if v is not None and not (_is_int(v) and v >= 1)}
-    if bad:
-        raise ValueError(f"token budgets must be None or ints >= 1, got {bad}")
+    _check_settings(max_running, limits, preemption)
     prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
     granularity = getattr(prefix_cache, "page_size", 1)
     if isinstance(prefix_cache, NoPrefixCache):
@@ -456,22 +379,39 @@ def simulate(
         slots = sum(len(r.prompt) + r.output_len for r in requests) + granularity * (len(requests) + 1)
     allocator = SlotAllocator(slots, page_size=granularity)
     budget, chunk = (math.inf if v is None else int(v) for v in limits.values())
-    sim = _Simulation(requests, prefix_cache, allocator, policy, max_running, cost_model or CostModel(), budget, chunk)
-    result = sim.run()
-    prefix_cache.check_invariants()
-    allocator.check_invariants()
-    held = allocator.num_free + prefix_cache.evictable_size + prefix_cache.protected_size
-    if held != allocator.capacity or prefix_cache.protected_size:
-        raise AssertionError(f"slots leaked: free + evictable + protected = {held} != capacity {allocator.capacity}")
+    scheduler = Scheduler(prefix_cache, allocator, policy, max_running=max_running, max_batch_tokens=budget,
+                          chunked_prefill_size=chunk, whole_kv=None if preemption else _whole_kv)
+    result = _Simulation(requests, scheduler, cost_model or CostModel()).run()
+    _check_idle(prefix_cache, allocator)
     result.config = {
         "cache": cache if isinstance(cache, str) else type(cache).__name__, "capacity_tokens": capacity_tokens,
         "kv_slots": allocator.capacity, "allocator_page": granularity,  # the hash cache allocates whole blocks
         "page_size": page_size, "block_size": block_size, "eviction_policy": eviction_policy,
         "schedule_policy": schedule_policy, "max_running": max_running, "seed": seed,
-        "in_batch_sharing": in_batch_sharing, **limits, "cost_model": asdict(cost_model or CostModel()),
+        "in_batch_sharing": in_batch_sharing, **limits, "preemption": preemption,
+        "cost_model": asdict(cost_model or CostModel()),
         "requests": len(requests),
     }
     return result
+
+
+def _check_settings(max_running: object, limits: dict, preemption: object) -> None:
+    if not isinstance(preemption, bool):
+        raise ValueError(f"preemption must be a bool, got {preemption!r}")
+    if not is_int(max_running) or max_running < 1:
+        raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
+    bad = {k: v for k, v in limits.items() if v is not None and not (is_int(v) and v >= 1)}
+    if bad:
+        raise ValueError(f"token budgets must be None or ints >= 1, got {bad}")
+
+
+def _check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
+    """After a run: both structures' invariants hold, nothing is locked and no slot leaked."""
+    cache.check_invariants()
+    allocator.check_invariants()
+    held = allocator.num_free + cache.evictable_size + cache.protected_size
+    if held != allocator.capacity or cache.protected_size:
+        raise AssertionError(f"slots leaked: free + evictable + protected = {held} != capacity {allocator.capacity}")
 
 
 def _numbered(requests: list[Request]) -> list[Request]:

@@ -153,6 +153,52 @@ def legend_handles(statuses: Iterable[str] = ("new", "hit", "evicted", "cached")
             for s in statuses]
 
 
+def _drawn_items(tree: dict[str, Any], new: set[Path], hit: set[Path], evicted: set[Path]) -> dict[Path, dict]:
+    """The drawn tree by path: every node of the snapshot, then the ghosts, each under its deepest drawn prefix."""
+    root: dict[str, Any] = {"path": (), "kids": [], "node": None}
+    drawn = {(): root}
+    for path, parent, node in iter_nodes(tree):
+        drawn[path] = {"path": path, "kids": [], "node": node, "edge": path[len(parent):],
+                       "status": "new" if path in new else "hit" if path in hit else "cached"}
+        drawn[parent]["kids"].append(drawn[path])
+    for path in sorted(evicted - drawn.keys(), key=len):
+        parent = max((p for p in drawn if len(p) < len(path) and path[: len(p)] == p), key=len)
+        drawn[path] = {"path": path, "kids": [], "node": None, "edge": path[len(parent):], "status": "evicted"}
+        drawn[parent]["kids"].append(drawn[path])
+    return drawn
+
+
+def _place(root: dict[str, Any]) -> int:
+    """Tidy layout: leaves on consecutive columns in depth-first order, parents centred over their children.
+
+    Sets every item's ``x`` and ``y``; returns the number of leaves. O(items).
+    """
+    leaves = 0
+
+    def place(item: dict[str, Any], depth: int) -> float:
+        nonlocal leaves
+        item["y"] = -depth
+        if item["kids"]:
+            xs = [place(kid, depth + 1) for kid in item["kids"]]
+            item["x"] = (xs[0] + xs[-1]) / 2
+        else:
+            item["x"], leaves = float(leaves), leaves + 1
+        return item["x"]
+
+    place(root, 0)
+    return leaves
+
+
+def _stats_line(item: dict[str, Any]) -> str:
+    """A box's second line: the edge's length, its ``lock_count`` when positive, and ``last_access``."""
+    node, info = item["node"], f"{len(item['edge'])} tok"
+    if node is not None and node["lock_count"]:
+        info += f" · lock {node['lock_count']}"
+    if node is not None:
+        info += f" · t={node['last_access']}"
+    return "\n" + info
+
+
 def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: Iterable[Path] = (),
               hit: Iterable[Path] = (), evicted: Iterable[Path] = (), decode: Decode | None = None,
               title: str | None = None, max_label: int = 36, wrap: int = 14, fontsize: float = 7,
@@ -171,31 +217,9 @@ def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: I
     new, hit, evicted = set(new), set(hit), set(evicted)
     if diff is not None:
         new, hit, evicted = new | diff.new, hit | diff.hit, evicted | diff.evicted
-    # The drawn tree: every node of the snapshot, then the ghosts, each under its deepest drawn prefix.
-    root: dict[str, Any] = {"path": (), "kids": [], "node": None}
-    drawn = {(): root}
-    for path, parent, node in iter_nodes(tree):
-        drawn[path] = {"path": path, "kids": [], "node": node, "edge": path[len(parent):],
-                       "status": "new" if path in new else "hit" if path in hit else "cached"}
-        drawn[parent]["kids"].append(drawn[path])
-    for path in sorted(evicted - drawn.keys(), key=len):
-        parent = max((p for p in drawn if len(p) < len(path) and path[: len(p)] == p), key=len)
-        drawn[path] = {"path": path, "kids": [], "node": None, "edge": path[len(parent):], "status": "evicted"}
-        drawn[parent]["kids"].append(drawn[path])
-    # Tidy layout: leaves on consecutive columns in depth-first order, parents centred over their children.
-    leaves = 0
-
-    def place(item: dict[str, Any], depth: int) -> float:
-        nonlocal leaves
-        item["y"] = -depth
-        if item["kids"]:
-            xs = [place(kid, depth + 1) for kid in item["kids"]]
-            item["x"] = (xs[0] + xs[-1]) / 2
-        else:
-            item["x"], leaves = float(leaves), leaves + 1
-        return item["x"]
-
-    place(root, 0)
+    drawn = _drawn_items(tree, new, hit, evicted)
+    root = drawn[()]
+    leaves = _place(root)
     depth = -min(item["y"] for item in drawn.values())
     ax = _axes(ax, (max(4.0, 1.5 * leaves), max(2.5, 1.3 * (depth + 1))))
     for item in drawn.values():
@@ -208,15 +232,8 @@ def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: I
     for item in drawn.values():
         if not item["path"]:
             continue
-        status, node = item["status"], item["node"]
-        label = edge_label(item["edge"], decode, max_label, wrap)
-        if stats:
-            info = f"{len(item['edge'])} tok"
-            if node is not None and node["lock_count"]:
-                info += f" · lock {node['lock_count']}"
-            if node is not None:
-                info += f" · t={node['last_access']}"
-            label += "\n" + info
+        status = item["status"]
+        label = edge_label(item["edge"], decode, max_label, wrap) + (_stats_line(item) if stats else "")
         ghost = status == "evicted"
         text = ax.text(item["x"], item["y"], label, ha="center", va="center", fontsize=fontsize, zorder=3,
                        alpha=0.8 if ghost else 1.0, linespacing=1.1,
@@ -241,7 +258,7 @@ def draw_blocks(tree: Any, ax: Any = None, *, decode: Decode | None = None, titl
 
     Row r is the r-th root-to-leaf chain; a block already drawn in an earlier
     row (a shared prefix) is a dotted empty outline in later rows, so sharing
-    reads as columns. Referenced blocks (lock count > 0) have a thick edge.
+    reads as columns. Locked blocks (``lock_count`` > 0) have a thick edge.
     """
     from matplotlib.patches import Rectangle
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -92,10 +96,13 @@ def test_page_table_csr():
 
 def test_make_backend_choices():
     pool = KVPool(1, 2, 4, num_slots=8)
-    assert isinstance(make_backend("auto", pool, 4), TorchReferenceBackend) or torch.cuda.is_available()
-    assert isinstance(make_backend("torch", pool, 4), TorchReferenceBackend)
+    assert make_backend("auto", pool, 4).name == "torch-cascade" or torch.cuda.is_available()  # float32: the oracle
+    assert make_backend("torch", pool, 4).name == "torch"
+    assert make_backend("torch-cascade", pool, 4).name == "torch-cascade"
     with pytest.raises(ValueError):
         make_backend("triton", pool, 4)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        make_backend("torch", pool, 3)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             make_backend("flashinfer", pool, 4)
@@ -105,12 +112,14 @@ def test_make_backend_choices():
 @pytest.mark.parametrize("name", ["torch", "torch-cascade", "cpu"])
 def test_an_empty_step_gives_an_empty_output(name, dtype):
     """A step with no requests (a driver that plans before anything is admitted) returns ``[0, heads, dim]``."""
-    from radixkv.kernels import cpu_kernels_unavailable_reason
-
     pool = KVPool(1, 2, 64, num_slots=8, dtype=dtype)
-    if name == "cpu" and (reason := cpu_kernels_unavailable_reason()):
-        pytest.skip(reason)
+    if name == "cpu":
+        from radixkv.cpu.kernels import cpu_kernels_unavailable_reason
+
+        if reason := cpu_kernels_unavailable_reason():
+            pytest.skip(reason)
     backend = make_backend(name, pool, 4)
+    assert backend.name == name
     backend.plan(AttentionBatch([], [], []))
     out = backend.run(torch.zeros(0, 4, 64, dtype=dtype), 0)
     assert out.shape == (0, 4, 64) and out.dtype == dtype
@@ -146,7 +155,7 @@ def test_shared_prefix_decode_equals_reference(shared, own, mixed_prefill):
     ref, cascade = TorchReferenceBackend(pool, 4), SharedPrefixTorchBackend(pool, 4)
     ref.plan(batch)
     cascade.plan(batch)
-    assert (cascade._shared is not None) == (shared >= cascade.min_shared)
+    assert (cascade.decode.shared is not None) == (shared >= cascade.decode.min_shared)
     torch.testing.assert_close(cascade.run(q, 0), ref.run(q, 0), atol=1e-5, rtol=1e-5)
 
 
@@ -166,3 +175,36 @@ def test_shared_slot_prefix_leaves_every_request_a_slot_of_its_own():
     assert shared_slot_prefix([np.arange(5), np.arange(5)]) == 4
     assert shared_slot_prefix([np.arange(5), np.array([0, 1, 7, 8])]) == 2
     assert shared_slot_prefix([np.array([3]), np.array([3, 4])]) == 0
+
+
+@pytest.mark.parametrize("backend,loads_cpu_path", [("torch", False), ("torch-cascade", False), ("auto", True)])
+def test_only_auto_and_cpu_load_the_cpu_speed_path(backend, loads_cpu_path):
+    """A 16-bit model on the CPU served by a PyTorch backend, through the engine and through ``build_forward``,
+    imports no module of ``radixkv.cpu`` (in a fresh interpreter, so no other test's imports count); with
+    ``auto`` it does, which shows the check sees the package when it is loaded."""
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        import torch
+        from radixkv import LLM, SamplingParams
+        from radixkv.attention import AttentionBatch
+        from radixkv.kv_pool import KVPool
+        from radixkv.model import load_model
+        from radixkv.model.forward import build_forward
+        from radixkv.model.step import run_step
+
+        llm = LLM("tiny-random", attention_backend="{backend}", dtype="bfloat16", kv_cache_tokens=256)
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(out[0].token_ids) == 3
+        model = load_model("tiny-random", dtype=torch.bfloat16).model
+        cfg = model.config
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=64, dtype=torch.bfloat16)
+        forward, attn = build_forward(model, pool, "{backend}")
+        run_step(forward, pool, attn, [[5, 6, 7]], AttentionBatch([0], [3], [np.arange(3)]))
+        print(attn.name, any(m == "radixkv.cpu" or m.startswith("radixkv.cpu.") for m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, loaded = done.stdout.split()[-2:]
+    assert loaded == str(loads_cpu_path)
+    assert name == backend or backend == "auto"

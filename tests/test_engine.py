@@ -490,3 +490,31 @@ def test_simulator_replays_the_engines_steps(cache, page, policy, running, budge
     assert [(t, p, d) for t, p, d, repeats in res.steps for _ in range(repeats)] == steps
     assert [r["hit"] for r in res.per_request] == [o.num_cached_tokens for o in outs]
     assert llm.stats()["preemptions"] == 0
+
+
+@pytest.mark.parametrize("cache,page,policy,kv", [
+    ("radix", 1, "fcfs", 150), ("radix", 4, "lpm", 160), ("hash", 4, "fcfs", 160), ("none", 1, "lpm", 130),
+])
+def test_simulator_replays_the_engines_steps_with_preemption(cache, page, policy, kv):
+    """Under memory pressure, ``simulate(preemption=True)`` allocates, evicts and preempts as the engine does:
+    the same steps, token for token, the same hits and the same number of preemptions."""
+    from radixkv.sim import simulate
+    from radixkv.workloads import Request
+
+    base = list(range(100, 130))
+    prompts = [base + list(range(140 + 60 * i, 140 + 60 * i + n)) for i, n in enumerate((25, 30, 13, 40, 2, 21))]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (13, 17, 12, 15, 19, 14)]
+    llm = LLM("tiny-random", prefix_cache=cache, page_size=page, block_size=page, kv_cache_tokens=kv,
+              schedule_policy=policy, max_batch_tokens=48, chunked_prefill_size=16, record_steps=True)
+    outs = llm.generate(prompts, params)
+    assert llm.stats()["preemptions"] > 0
+    requests = [Request(arrival=0.0, session=i, prompt=p, output_len=len(o.token_ids), output=o.token_ids, rid=i)
+                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+    cfg = llm.config
+    res = simulate(requests, cache, capacity_tokens=kv, page_size=page, block_size=page, schedule_policy=policy,
+                   seed=cfg.seed, in_batch_sharing=cfg.in_batch_sharing, max_batch_tokens=48, chunked_prefill_size=16,
+                   preemption=True)
+    steps = [(r.prefill_tokens, r.attention_pairs, r.decodes) for r in llm.step_log]
+    assert [(t, p, d) for t, p, d, repeats in res.steps for _ in range(repeats)] == steps
+    assert [r["hit"] for r in res.per_request] == [o.num_cached_tokens for o in outs]
+    assert res.preemptions == llm.stats()["preemptions"]

@@ -99,7 +99,7 @@ def test_generated_tokens_cacheable_once_their_block_fills(cache, alloc):
     assert cache.total_size == 8
 
 
-def test_lock_unlock_reference_counts(cache):
+def test_lock_unlock_lock_counts(cache):
     cache.insert(range(8), range(8))
     m = cache.match_prefix(range(8))
     cache.lock(m.node)
@@ -141,16 +141,87 @@ def test_lock_of_evicted_handle_raises(cache):
         cache.lock(m.node)
 
 
-def test_stranded_suffix_is_replaced_and_its_slots_returned_by_evict():
+def reachable_tokens(cache: HashBlockCache) -> int:
+    """Tokens in the blocks ``to_dict`` reaches from the root: every block a lookup can find."""
+
+    def walk(node) -> int:
+        return len(node["tokens"]) + sum(walk(child) for child in node["children"])
+
+    return walk(cache.to_dict())
+
+
+def test_mru_evicts_a_parent_only_after_its_children():
     cache = HashBlockCache(block_size=2, eviction_policy="mru")
     cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
-    cache.match_prefix([1, 2])  # block [1,2] is now the most recently used: mru evicts it first
-    assert cache.evict(1).tolist() == [10, 11]
-    assert cache.match_prefix([1, 2, 3, 4]).length == 0  # [3,4] is stranded behind the missing block
-    assert cache.insert([1, 2, 3, 4], [20, 21, 22, 23]) == 0  # the caller's copy replaces it
+    cache.match_prefix([1, 2])  # block [1 2] is now the most recently used, but [3 4] chains from it
+    assert cache.evict(1).tolist() == [12, 13]
     cache.check_invariants()
-    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == [20, 21, 22, 23]
-    assert cache.total_size == 6 and cache.evict(1).tolist() == [12, 13]
+    assert cache.match_prefix([1, 2, 3, 4]).length == 2 and reachable_tokens(cache) == cache.total_size == 2
+    assert cache.evict(1).tolist() == [10, 11]
+    assert cache.total_size == 0
+
+
+def test_regression_deduplicated_chain_strands_no_block_when_evicted_one_at_a_time():
+    """Two requests share ``a1 a2`` and add different third blocks; the second insert deduplicates ``a1 a2``.
+
+    Before the fix the LRU free queue held ``b3 a2 a1 c3``: evicting one block at a time took ``a2`` while
+    ``c3`` still chained from it, and ``c3`` then kept its slots, unreachable, until it reached the head.
+    """
+    cache, alloc = HashBlockCache(block_size=2), SlotAllocator(12, page_size=2)
+    first, second = alloc.alloc(6), alloc.alloc(6)
+    assert cache.insert([1, 2, 3, 4, 5, 6], first) == 0  # a1 a2 b3
+    assert cache.insert([1, 2, 3, 4, 7, 8], second) == 4  # a1 a2 are duplicates, c3 is new
+    alloc.free(second[:4])  # the caller frees its duplicates
+    cache.check_invariants()
+    order = []
+    while cache.total_size:
+        freed = cache.evict(1)  # evict returns the slots; the caller frees them
+        cache.check_invariants()
+        assert reachable_tokens(cache) == cache.total_size, "a cached block is unreachable (stranded)"
+        order.append(freed.tolist())
+        alloc.free(freed)
+        assert alloc.num_free + cache.evictable_size == alloc.capacity  # idle: nothing locked, nothing lost
+    assert order == [first[4:].tolist(), second[4:].tolist(), first[2:4].tolist(), first[:2].tolist()]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo"])
+def test_randomized_inserts_and_single_block_evictions_strand_no_block(policy):
+    """Raw inserts (no lock, so shared blocks are deduplicated unlocked), lookups, locked requests and
+    one-block evictions in a random order: every cached block stays reachable under every policy."""
+    rng = np.random.default_rng(28)
+    cache, alloc = HashBlockCache(block_size=2, eviction_policy=policy), SlotAllocator(24, page_size=2)
+    held = []  # handles locked by running requests
+    for _ in range(400):
+        tokens = rng.integers(0, 3, size=int(rng.integers(2, 11))).tolist()
+        op = rng.integers(0, 4)
+        if op == 0:
+            cache.match_prefix(tokens)
+        elif op == 1 and len(held) < 3:
+            m = cache.match_prefix(tokens)
+            cache.lock(m.node)
+            held.append(m.node)
+        elif op == 2 and held:
+            cache.unlock(held.pop(int(rng.integers(0, len(held)))))
+        elif alloc.num_free >= len(tokens) or alloc.num_free + cache.evictable_size >= len(tokens) + 2:
+            while alloc.num_free < len(tokens):
+                alloc.free(cache.evict(1))
+                cache.check_invariants()
+                assert reachable_tokens(cache) == cache.total_size
+            slots = alloc.alloc(len(tokens))
+            already = cache.insert(tokens, slots)
+            alloc.free(slots[:already])
+            alloc.free(slots[cache.cacheable_length(len(tokens)) :])
+        cache.check_invariants()
+        assert reachable_tokens(cache) == cache.total_size
+        assert alloc.num_free + cache.evictable_size + cache.protected_size == alloc.capacity
+    for node in held:
+        cache.unlock(node)
+    assert alloc.num_free + cache.evictable_size == alloc.capacity
+    while cache.total_size:
+        alloc.free(cache.evict(1))
+        cache.check_invariants()
+        assert reachable_tokens(cache) == cache.total_size
+    assert alloc.num_free == alloc.capacity
 
 
 @pytest.mark.parametrize("algo", ["sha256", "builtin"])

@@ -1,14 +1,15 @@
-"""radixkv.hugepages: the same tensors as torch's, in memory advised for 2 MiB pages."""
+"""radixkv.cpu.hugepages: the same tensors as torch's, in memory advised for 2 MiB pages."""
 
 from __future__ import annotations
 
 import gc
 import mmap
 
+import numpy as np
 import pytest
 import torch
 
-from radixkv import hugepages
+from radixkv.cpu import hugepages
 from radixkv.kv_pool import KVPool
 
 
@@ -69,6 +70,24 @@ def test_kv_pool_layers_are_separate_zeroed_views_of_one_buffer():
     assert all(b - a >= nbytes for a, b in zip(starts, starts[1:], strict=False))
     pool.k[1].fill_(1)
     assert pool.k[1].all() and not pool.v[1].any() and not pool.k[2].any()
+
+
+def test_a_pool_moves_into_huge_pages_with_what_it_holds():
+    """``KVPool.reallocate(hugepages.zeros)`` (what ``radixkv.cpu.accelerate`` does) keeps every stored row, and
+    the layers stay separate views of the one new buffer; a buffer of the wrong shape is refused."""
+    pool = KVPool(4, 3, 64, num_slots=4096, dtype=torch.bfloat16)  # 12 MiB in all: over MIN_BYTES
+    k = torch.randn(5, 3, 64).to(torch.bfloat16)
+    pool.store(2, k, -k, np.array([7, 0, 4095, 9, 1]))
+    old = pool.k[2].data_ptr()
+    pool.reallocate(hugepages.zeros)
+    assert pool.k[2].data_ptr() != old
+    torch.testing.assert_close(pool.k[2][[7, 0, 4095, 9, 1]], k, atol=0, rtol=0)
+    torch.testing.assert_close(pool.v[2][[7, 0, 4095, 9, 1]], -k, atol=0, rtol=0)
+    assert int(pool.k[2].ne(0).any(-1).any(-1).sum()) == 5 and not pool.k[1].any() and not pool.v[3].any()
+    pool.k[3].fill_(1)
+    assert not pool.v[3].any() and not pool.k[2][10:4095].any()
+    with pytest.raises(ValueError, match="reallocate"):
+        pool.reallocate(lambda shape, dtype: torch.zeros(3, dtype=dtype))
 
 
 def test_where_memory_cannot_be_advised_the_helpers_are_plain_torch(monkeypatch):

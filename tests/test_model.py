@@ -204,7 +204,7 @@ def test_llama3_rope_scaling_matches_transformers():
 def test_packed_linears_give_the_same_logits():
     """oneDNN-packed weights (what the engine serves 16-bit models with on a CPU, multiplied in float32 where the
     CPU has no 16-bit matrix instructions) change no output beyond 16-bit rounding."""
-    from radixkv.model.llama import PackedLinear, linear_compute_dtype, pack_linears
+    from radixkv.cpu.linear import PackedLinear, linear_compute_dtype, pack_linears
 
     plain = load_model("tiny-random", dtype=torch.bfloat16).model
     packed = load_model("tiny-random", dtype=torch.bfloat16).model

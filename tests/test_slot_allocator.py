@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv import OutOfSlotsError, SlotAllocator
@@ -230,7 +230,6 @@ def test_reset_frees_everything():
     assert a.alloc(12).tolist() == list(range(12))
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     page_size=st.sampled_from([1, 2, 3, 4]),
     ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.integers(0, 10**6)), max_size=40),

@@ -1,4 +1,9 @@
-"""Attention backends behind one plan/run interface; ``make_backend`` picks one."""
+"""Attention backends behind one plan/run interface; ``make_backend`` picks one.
+
+The ``cpu`` backend lives in ``radixkv.cpu`` with the compiled kernels it
+runs, and is imported only when asked for (or picked by ``auto``), so a
+``torch`` or FlashInfer backend never loads anything of the CPU speed path.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,11 @@ import torch
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.attention.reference import TorchReferenceBackend
 from radixkv.attention.shared_prefix import SharedPrefixTorchBackend
+from radixkv.config import ATTENTION_BACKENDS
 from radixkv.config import FLASHINFER_DTYPES as FLASHINFER_DTYPE_NAMES
-from radixkv.kernels import cpu_kernels_unavailable_reason
 from radixkv.kv_pool import KVPool
 
-BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
+BACKENDS = ATTENTION_BACKENDS  # the one list of names (radixkv.config, torch-free)
 
 
 # What radixkv's FlashInfer path runs: FlashInfer has no float32 attention kernels, and its FA2/FA3
@@ -65,12 +70,14 @@ def cpu_backend_unavailable_reason(pool: KVPool) -> str | None:
         return f"the KV pool lives on {pool.device}, not on the CPU"
     if pool.dtype == torch.float32:
         return "float32 pools stay on the reference path (the oracle)"
+    from radixkv.cpu.kernels import cpu_kernels_unavailable_reason  # lazy: only 16-bit CPU pools look
+
     return cpu_kernels_unavailable_reason()
 
 
 def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None = None) -> AttentionBackend:
-    """``torch`` (the reference), ``torch-cascade`` (the reference with shared-prefix decode), ``cpu`` (the
-    reference's interface with decodes and bfloat16 prefills through the compiled kernels), ``flashinfer``,
+    """``torch`` (the reference), ``torch-cascade`` (the reference with shared-prefix decode), ``cpu``
+    (decodes and, where they have a path, prefills through ``radixkv.cpu``'s compiled kernels), ``flashinfer``,
     or ``auto``: FlashInfer when CUDA and flashinfer are present and its kernels serve the pool's dtype and
     head dim (``flashinfer_unavailable_reason`` says why not); else ``cpu`` for a 16-bit CPU pool whose
     kernels build; else ``torch-cascade``."""
@@ -88,7 +95,7 @@ def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None
     if name == "torch":
         return TorchReferenceBackend(pool, num_qo_heads, scale)
     if name == "cpu" or (name == "auto" and cpu_backend_unavailable_reason(pool) is None):
-        from radixkv.attention.cpu_paged import CpuPagedBackend
+        from radixkv.cpu.paged_attention import CpuPagedBackend  # lazy: the CPU speed path, asked for
 
         return CpuPagedBackend(pool, num_qo_heads, scale)
     return SharedPrefixTorchBackend(pool, num_qo_heads, scale)
@@ -96,4 +103,5 @@ def make_backend(name: str, pool: KVPool, num_qo_heads: int, scale: float | None
 
 __all__ = ["AttentionBackend", "AttentionBatch", "BACKENDS", "FLASHINFER_DTYPES", "FLASHINFER_HEAD_DIMS",
            "FlashInferUnavailableError", "SharedPrefixTorchBackend", "TorchReferenceBackend",
-           "flashinfer_unavailable_reason", "flashinfer_unsupported_shape", "make_backend"]
+           "cpu_backend_unavailable_reason", "flashinfer_unavailable_reason", "flashinfer_unsupported_shape",
+           "make_backend"]

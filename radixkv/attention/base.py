@@ -59,9 +59,18 @@ class AttentionBatch:
 
 
 class AttentionBackend(Protocol):
-    """What the model calls: plan once per step, run once per layer."""
+    """What the model calls: plan once per step, run once per layer.
 
-    def plan(self, batch: AttentionBatch) -> None: ...
+    Every backend has exactly these; none has optional capabilities that
+    callers look for. Code that needs more of a backend (``radixkv.cpu``'s
+    decode stack reads the cpu backend's CSR plan) holds its concrete type.
+    """
+
+    name: str  # the make_backend name that builds it ("torch", "torch-cascade", "cpu", "flashinfer")
+
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare this step's metadata; ``run`` then serves every layer of the step."""
+        ...
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q: ``[num_tokens, num_qo_heads, head_dim]`` -> out of the same shape."""

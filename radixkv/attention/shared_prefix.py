@@ -8,7 +8,8 @@ FlashInfer's cascade attention does:
 
 * the shared prefix ``[S]``: every request's queries against one copy of its
   K/V, one ``bmm`` for the whole batch;
-* each request's own remainder ``[R_b]``: the reference backend's padded batch.
+* each request's own remainder ``[R_b]``: the reference backend's padded batch
+  (``PaddedDecode``, which this part holds).
 
 The two partial softmaxes are merged exactly (common running maximum, summed
 normalizers), so the result equals attention over the concatenation up to
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBatch
-from radixkv.attention.reference import TorchReferenceBackend
+from radixkv.attention.reference import PaddedDecode, ReferencePrefill
+from radixkv.attention.split import SplitBackend, group_of, scale_for
 from radixkv.kv_pool import KVPool
 
 
@@ -35,43 +37,43 @@ def shared_slot_prefix(slots: list[np.ndarray]) -> int:
     return int(np.argmax(differs)) if differs.any() else n
 
 
-class SharedPrefixTorchBackend(TorchReferenceBackend):
-    """The reference backend with two-level (shared prefix + own suffix) decode attention.
+class CascadeDecode:
+    """A step's decodes in two levels, shared prefix then own remainder (a ``StepPart``).
 
     A shared prefix shorter than ``min_shared`` tokens is not worth the second
-    level; such steps run the reference decode unchanged.
+    level; such steps run the reference's padded decode unchanged.
     """
 
-    name = "torch-cascade"
-
     def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None, min_shared: int = 64):
-        super().__init__(pool, num_qo_heads, scale)
+        self.pool, self.group, self.scale = pool, group_of(pool, num_qo_heads), scale_for(pool, scale)
         self.min_shared = min_shared
-        self._shared: torch.Tensor | None = None  # [S] int64 slots of the shared prefix
+        self.padded = PaddedDecode(pool, num_qo_heads, scale)  # the remainders, or everything without a prefix
+        self.shared: torch.Tensor | None = None  # [S] int64 slots of the planned step's shared prefix, if any
 
-    def _plan_decodes(self, batch: AttentionBatch, rows: list[int], starts: np.ndarray):
-        slots = [np.asarray(batch.slots[r], dtype=np.int64) for r in rows]
-        shared = shared_slot_prefix(slots) if len(rows) > 1 else 0
+    def plan(self, batch: AttentionBatch, requests: list[int]) -> None:
+        slots = [np.asarray(batch.slots[r], dtype=np.int64) for r in requests]
+        shared = shared_slot_prefix(slots) if len(requests) > 1 else 0
         if shared < self.min_shared:
-            self._shared = None
-            return super()._plan_decodes(batch, rows, starts)
-        self._shared = torch.as_tensor(slots[0][:shared], device=self.pool.device)
-        idx, valid = self._padded_slots([s[shared:] for s in slots])
-        return idx, valid, torch.as_tensor(starts[rows], dtype=torch.long, device=self.pool.device)
+            self.shared = None
+            self.padded.plan_slots(slots)
+            return
+        self.shared = torch.as_tensor(slots[0][:shared], device=self.pool.device)
+        self.padded.plan_slots([s[shared:] for s in slots])
 
-    def _run_decodes(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
-        if self._shared is None:
-            return super()._run_decodes(q, layer, out)
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        # q: [B, num_qo_heads, head_dim], the planned decodes' rows in order
+        if self.shared is None:
+            return self.padded.run(q, layer)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
-        _, valid, rows = self._decodes
-        b, width, h, g, d = valid.shape[1], valid.shape[-1], k_all.shape[1], self.group, q.shape[-1]
-        qd = q[rows].to(k_all.dtype).view(b, h, g, d).transpose(0, 1)  # [Hkv, B, group, D]
+        b, h, g, d = q.shape[0], k_all.shape[1], self.group, q.shape[-1]
+        qd = q.to(k_all.dtype).reshape(b, h, g, d).transpose(0, 1)  # [Hkv, B, group, D]
         # Level 1: the shared prefix, read once for the whole batch.
-        ks = torch.index_select(k_all, 0, self._shared).transpose(0, 1)  # [Hkv, S, D]
-        vs = torch.index_select(v_all, 0, self._shared).transpose(0, 1)
+        ks = torch.index_select(k_all, 0, self.shared).transpose(0, 1)  # [Hkv, S, D]
+        vs = torch.index_select(v_all, 0, self.shared).transpose(0, 1)
         s1 = torch.bmm(qd.reshape(h, b * g, d), ks.transpose(1, 2)).float() * self.scale  # [Hkv, B * group, S]
         # Level 2: each request's own slots, padded to the longest.
-        s2, v = self._padded_scores(qd.reshape(h * b, g, d), layer)  # [Hkv * B, group, R], [Hkv * B, R, D]
+        s2, v = self.padded.scores(qd.reshape(h * b, g, d), layer)  # [Hkv * B, group, R], [Hkv * B, R, D]
+        width = s2.shape[-1]
         s2 = s2.view(h, b * g, width)
         # Exact merge: one running maximum, one normalizer over both levels.
         m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))  # [Hkv, B * group, 1]
@@ -80,4 +82,13 @@ class SharedPrefixTorchBackend(TorchReferenceBackend):
         o = torch.bmm(p1.to(vs.dtype), vs).float()  # [Hkv, B * group, D]
         o += torch.bmm(p2.view(h * b, g, width).to(v.dtype), v).view(h, b * g, d).float()
         o = (o / norm).view(h, b, g, d).transpose(0, 1)  # [B, Hkv, group, D]
-        out[rows] = o.reshape(b, -1, d).to(q.dtype)
+        return o.reshape(b, -1, d).to(q.dtype)
+
+
+class SharedPrefixTorchBackend(SplitBackend):
+    """The reference backend's prefills (``ReferencePrefill``) with two-level decode attention (``CascadeDecode``)."""
+
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None, min_shared: int = 64):
+        super().__init__("torch-cascade", pool, num_qo_heads, scale,
+                         prefill=ReferencePrefill(pool, num_qo_heads, scale),
+                         decode=CascadeDecode(pool, num_qo_heads, scale, min_shared))

@@ -2,11 +2,13 @@
 
 from radixkv.cache.base import LockError, MatchResult, PrefixCache, match_for_prefill
 from radixkv.cache.eviction import POLICIES
+from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.hash_block import HashBlockCache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache, RadixNode
 
 __all__ = [
+    "CACHES",
     "HashBlockCache",
     "LockError",
     "MatchResult",
@@ -15,5 +17,6 @@ __all__ = [
     "PrefixCache",
     "RadixCache",
     "RadixNode",
+    "make_cache",
     "match_for_prefill",
 ]

@@ -23,7 +23,7 @@ class MatchResult(NamedTuple):
 
     Attributes:
         length: number of leading tokens that are cached (a multiple of the
-            cache's page or block size).
+            cache's ``page_size``: the tree's page, the hash cache's block).
         indices: 1-D int64 array of the KV slot indices of those tokens,
             ``len(indices) == length``; a fresh array the caller may keep.
         node: opaque handle for ``lock``/``unlock``; the root (an empty
@@ -72,8 +72,8 @@ class PrefixCache(Protocol):
 
 
 class LockError(RuntimeError, ValueError):
-    """Unlocking a handle whose reference count is already zero, or locking a
-    handle whose node is no longer in the cache. It is a ``RuntimeError`` (a
+    """Unlocking a handle whose lock count is already zero (or that holds no
+    lock of its own), or locking a handle whose node is no longer in the cache. It is a ``RuntimeError`` (a
     misuse of the protocol at run time) and a ``ValueError`` (a bad argument),
     so callers catching either see it."""
 

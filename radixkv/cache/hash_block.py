@@ -3,37 +3,28 @@
 The baseline radixkv compares the radix tree against, following vLLM v1's
 ``BlockPool``/``KVCacheManager`` design:
 
-* Block i's key is ``H(key of block i-1, tokens of block i)``; block 0 chains
-  from a seed that encodes the namespace (adapter id, cache salt) by its
-  ``repr``, so two namespaces with different reprs never share a block. A key therefore names a whole prefix, and a
-  flat dict ``key -> block`` acts as a prefix tree without an explicit tree.
+* Block i's key is ``H(key of block i-1, tokens of block i)`` (block 0 chains
+  from a seed for the namespace; :mod:`radixkv.cache.block_hash`), so a key
+  names a whole prefix and a flat dict ``key -> block`` acts as a prefix tree.
 * Only full blocks are cached; a partial last block stays with the request.
-* Blocks carry reference counts. A block whose count is 0 stays cached in a
-  free queue and is evicted from the queue's head; a request's blocks are
-  released to the tail in reverse order, so a chain's tail leaves before its
-  head. A hit takes a block out of the queue (``lock``).
+* Blocks carry lock counts (vLLM's reference counts). A block whose count is 0
+  stays cached in a free queue, from which eviction takes its victims.
+* **Children first.** A block is never evicted while a cached block chains
+  from it, so every cached block stays reachable (``match_prefix`` stops at
+  the first missing block). With ``lru`` the free queue's release order
+  guarantees it: chains are queued tail first, by ``unlock`` as in vLLM and
+  by an ``insert`` that adds blocks below unlocked cached ones, which queues
+  those again behind the new blocks (as a vLLM request, which held its whole
+  chain, releases it). The other policies rank blocks by their own
+  statistics, so their queue passes over a block with cached children until
+  its last child leaves.
 * Unlike vLLM, identical blocks computed concurrently are deduplicated at
   ``insert`` (the second copy's slots go back to the caller as duplicates),
-  exactly as the radix tree does, so both caches hold the same memory for the
-  same content.
-
-Hash functions (``hash_algo``):
-
-* ``sha256`` (default): a deterministic byte encoding (parent digest, the
-  block's int64 little-endian tokens, the namespace's repr for block 0), no
-  pickle; stable across processes; collisions are cryptographically unlikely.
-* ``xxhash``: xxh3-128 over the same bytes; several times cheaper per block and
-  stable across processes, but not collision-resistant against an adversary
-  who can choose prompts (a crafted collision would serve another prefix's KV).
-* ``builtin``: Python's ``hash`` of (parent, block bytes); cheapest, but
-  64-bit, salted per process (keys are not comparable across processes), and
-  its collisions are easy to construct: for experiments only.
+  as the radix tree does, so both caches hold the same memory for the same content.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from operator import attrgetter
 from typing import Any, NamedTuple
@@ -41,45 +32,30 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.eviction import get_policy
 from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _CACHED = attrgetter("cached")
-_REF_CNT = attrgetter("ref_cnt")
-_LE_INT64 = np.dtype("<i8")
+_LOCK_COUNT = attrgetter("lock_count")
+_HAS_CHILDREN = attrgetter("num_children")
 
-BlockKey = Hashable
-ChainHash = Callable[[Any, bytes], Any]
-
-
-def _sha256(parent: bytes, data: bytes) -> bytes:
-    return hashlib.sha256(parent + data).digest()
-
-
-def _builtin(parent: int, data: bytes) -> int:
-    return hash((parent, data))
-
-
-def _xxhash() -> ChainHash:
-    try:
-        import xxhash
-    except ImportError:
-        raise ValueError(
-            "hash_algo='xxhash' needs the xxhash package: pip install xxhash (or use 'sha256' or 'builtin')"
-        ) from None
-    digest = xxhash.xxh3_128_digest
-    return lambda parent, data: digest(parent + data)
-
-
-HASH_ALGOS = ("sha256", "xxhash", "builtin")
+Require = Callable[[bool, str, object], None]
 
 
 class Block:
-    """One cached KV block: ``block_size`` tokens and their slot indices."""
+    """One cached KV block: ``block_size`` tokens and their slot indices.
+
+    ``lock_count`` counts the locked handles whose chain passes through the
+    block (vLLM's ``ref_cnt``); ``own_lock_count`` those that end at it, so a
+    block's ``lock_count`` is the sum of ``own_lock_count`` over itself and
+    the cached blocks below it. ``num_children`` counts the cached blocks
+    that chain from it.
+    """
 
     __slots__ = (
-        "key", "parent_key", "tokens", "slots", "ref_cnt", "tail_locks",
+        "key", "parent_key", "tokens", "slots", "lock_count", "own_lock_count", "num_children",
         "last_access", "hit_count", "created", "stamp", "cached",
     )
 
@@ -88,8 +64,7 @@ class Block:
         self.parent_key = parent_key
         self.tokens = tokens  # int64 little-endian bytes
         self.slots = slots
-        self.ref_cnt = 0
-        self.tail_locks = 0  # locks of handles that end at this block (the radix tree's direct_locks)
+        self.lock_count = self.own_lock_count = self.num_children = 0
         self.last_access = now
         self.hit_count = 0
         self.created = now
@@ -97,8 +72,8 @@ class Block:
         self.cached = True
 
     def __repr__(self) -> str:
-        toks = np.frombuffer(self.tokens, dtype=_LE_INT64)[:8].tolist()
-        return f"Block(tokens={toks}, ref={self.ref_cnt})"
+        toks = np.frombuffer(self.tokens, dtype=LE_INT64)[:8].tolist()
+        return f"Block(tokens={toks}, lock={self.lock_count})"
 
 
 class BlockChain(NamedTuple):
@@ -115,11 +90,12 @@ class HashBlockCache:
     """Prefix cache of full KV blocks keyed by chained block hashes (vLLM's APC).
 
     Args:
-        block_size: tokens per block; only full blocks are cached.
-        hash_algo: ``sha256`` (default), ``xxhash`` or ``builtin`` (see module docs).
+        block_size: tokens per hashed block; only full blocks are cached.
+        hash_algo: ``sha256`` (default), ``xxhash`` or ``builtin`` (see :mod:`radixkv.cache.block_hash`).
         eviction_policy: ``lru`` (vLLM's free queue: least recently released
             first, O(1) per operation) or ``lfu``, ``fifo``, ``mru``, ``filo``
             (a priority queue over the same statistics the radix tree keeps).
+            Under every policy a block leaves only after its cached children.
 
     Costs (b = full blocks in the query): ``match_prefix`` hashes blocks until
     the first miss, O(b); ``insert`` O(b); both also try the memo of recent
@@ -136,39 +112,37 @@ class HashBlockCache:
     (8, 8)
     """
 
-    MEMO_ENTRIES = 1024  # first blocks whose key chains are remembered (see _recall)
+    MEMO_ENTRIES = 1024  # first blocks whose key chains are remembered (see BlockHasher.recall)
     MEMO_CHAINS = 32  # chains remembered per first block
 
     def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str = "lru"):
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if hash_algo not in HASH_ALGOS:
-            raise ValueError(f"unknown hash_algo {hash_algo!r}; choose one of {list(HASH_ALGOS)}")
-        self._priority = get_policy(eviction_policy)
         self.block_size = int(block_size)
-        self.page_size = self.block_size  # the granularity every cache exposes
+        self._keys = BlockHasher(self.block_size, hash_algo, self.MEMO_ENTRIES, self.MEMO_CHAINS)
+        self._hash = self._keys.hash  # the chain step, read on the lookup's hot path
+        self._priority = get_policy(eviction_policy)
         self.hash_algo = hash_algo
         self.eviction_policy = eviction_policy
-        self._hash: ChainHash = {"sha256": _sha256, "builtin": _builtin}.get(hash_algo) or _xxhash()
-        self._seeds: dict[Hashable, BlockKey] = {}
-        # (namespace, first block bytes) -> recent (token bytes, their chained keys, last block); see _recall.
-        self._memo: OrderedDict[tuple, deque[tuple[bytes, list[BlockKey], bytes]]] = OrderedDict()
         self.reset()
+
+    @property
+    def page_size(self) -> int:
+        """Slots per KV page (what callers generic over caches read): one block fills a page, so ``block_size``."""
+        return self.block_size
 
     def reset(self) -> None:
         """Drop every block (old handles can no longer be locked); clock and statistics at zero. O(blocks)."""
         for block in getattr(self, "_blocks", {}).values():
             block.cached = False  # old handles can neither lock nor unlock these again
-            block.ref_cnt = block.tail_locks = 0
+            block.lock_count = block.own_lock_count = 0
         self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
         if self.eviction_policy == "lru":
-            self._queue = FreeQueue()
-        else:
-            self._queue = PriorityFreeQueue(self._priority)
+            self._queue: FreeQueue | PriorityFreeQueue = FreeQueue()
+        else:  # ranks by the blocks' own statistics: it must pass over a block whose children are cached
+            self._queue = PriorityFreeQueue(self._priority, waits=_HAS_CHILDREN)
         self._protected_blocks = 0
-        self._displaced: list[np.ndarray] = []  # slots of replaced stranded blocks, returned by evict
-        self._displaced_tokens = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
         self.root = BlockChain(())
@@ -176,17 +150,17 @@ class HashBlockCache:
     # ------------------------------------------------------------- sizes
     @property
     def total_size(self) -> int:
-        """Tokens held: cached blocks plus displaced slots awaiting ``evict``."""
-        return len(self._blocks) * self.block_size + self._displaced_tokens
+        """Tokens held in cached blocks."""
+        return len(self._blocks) * self.block_size
 
     @property
     def protected_size(self) -> int:
-        """Tokens in blocks with a positive reference count."""
+        """Tokens in blocks with a positive lock count."""
         return self._protected_blocks * self.block_size
 
     @property
     def evictable_size(self) -> int:
-        """Tokens ``evict`` could free now."""
+        """Tokens ``evict`` could free now (every unlocked block, children first)."""
         return self.total_size - self.protected_size
 
     @property
@@ -198,84 +172,9 @@ class HashBlockCache:
         q, h = self._queried_tokens, self._hit_tokens
         return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
 
-    # ------------------------------------------------------------- hashing
-    def _seed(self, namespace: Hashable) -> BlockKey:
-        seed = self._seeds.get(namespace)
-        if seed is None:
-            # The namespace is the first block's extra key: repr is a deterministic encoding
-            # for the ids used in practice (None, str, int, tuples of them).
-            digest = hashlib.sha256(b"radixkv-block-seed:" + repr(namespace).encode()).digest()
-            seed = int.from_bytes(digest[:8], "little") if self.hash_algo == "builtin" else digest
-            self._seeds[namespace] = seed
-        return seed
-
-    def _full_blocks(self, tokens: TokenSeq) -> tuple[np.ndarray, bytes, int]:
-        arr = as_token_array(tokens)
-        nblocks = len(arr) // self.block_size
-        data = arr[: nblocks * self.block_size].astype(_LE_INT64, copy=False).tobytes()
-        return arr, data, nblocks
-
     def block_keys(self, tokens: TokenSeq, namespace: Hashable = None) -> list[BlockKey]:
         """The chained key of every full block of ``tokens``. O(blocks)."""
-        _, data, nblocks = self._full_blocks(tokens)
-        step, h, keys = 8 * self.block_size, self._seed(namespace), []
-        for i in range(nblocks):
-            h = self._hash(h, data[i * step : (i + 1) * step])
-            keys.append(h)
-        return keys
-
-    def _recall(self, data: bytes, namespace: Hashable) -> list[BlockKey]:
-        """Keys of the leading blocks of ``data`` that an earlier call already hashed.
-
-        vLLM hashes a request's blocks once and keeps them on the request; the
-        cache has no request object, so it remembers the key chains of the
-        latest sequences starting with the same first block, and reuses the
-        one sharing the longest prefix with ``data`` (a later turn of a chat
-        extends an earlier turn's whole sequence). O(MEMO_CHAINS * len(data)) memcmp.
-        """
-        step = 8 * self.block_size
-        chains = self._memo.get((namespace, data[:step]))
-        if not chains:
-            return []
-        size, best_n, best = len(data), 0, None
-        for old, keys, tail in reversed(chains):
-            n = len(old)
-            if n <= size:
-                # A prefix of data? Its last block first: chains of other conversations differ
-                # there, so most are rejected by a short compare before the long memcmp.
-                if n > best_n and data[n - step : n] == tail and data.startswith(old):
-                    best_n, best = n, keys
-                    if n == size:
-                        break
-            elif size > best_n and old.startswith(data):
-                best_n, best = size, keys
-                break
-        if best is not None:
-            return best[: best_n // step]
-        old, keys, _ = chains[-1]  # no chain is a prefix: reuse what the most recent one shares
-        n = min(len(old), len(data))
-        a = np.frombuffer(old, dtype=np.int64, count=n // 8)
-        b = np.frombuffer(data, dtype=np.int64, count=n // 8)
-        differ = np.flatnonzero(a != b)
-        shared = int(differ[0]) * 8 if len(differ) else n
-        return keys[: shared // step]
-
-    def _remember(self, data: bytes, namespace: Hashable, keys: list[BlockKey]) -> None:
-        if not keys:
-            return
-        step = 8 * self.block_size
-        slot = (namespace, data[:step])
-        chains = self._memo.get(slot)
-        if chains is None:
-            chains = self._memo[slot] = deque(maxlen=self.MEMO_CHAINS)
-            if len(self._memo) > self.MEMO_ENTRIES:
-                self._memo.popitem(last=False)
-        else:
-            self._memo.move_to_end(slot)
-        covered = data if len(keys) * step == len(data) else data[: len(keys) * step]
-        if chains and covered.startswith(chains[-1][0]):
-            chains.pop()  # the newest chain extends the previous one: keep only the longer
-        chains.append((covered, keys, covered[-step:]))
+        return self._keys.chain(tokens, namespace)
 
     # ------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
@@ -287,11 +186,12 @@ class HashBlockCache:
         other policies re-rank the hit blocks by their new statistics.
         O(hit blocks + 1) hashes, fewer when an earlier call hashed the same prefix.
         """
-        arr, data, nblocks = self._full_blocks(tokens)
+        hasher = self._keys
+        arr, data, nblocks = hasher.full_blocks(tokens)
         self._queried_tokens += len(arr)
         self._clock += 1
         now, step, lookup = self._clock, 8 * self.block_size, self._blocks.get
-        keys = self._recall(data, namespace)
+        keys = hasher.recall(data, namespace)
         hit: list[Block] = []
         # Two loops with the same body (known keys, then keys hashed on demand): this is the
         # hot path, and a shared generator costs about 0.1 us per block.
@@ -303,7 +203,7 @@ class HashBlockCache:
             block.hit_count += 1
             hit.append(block)
         else:
-            h = keys[-1] if keys else self._seed(namespace)
+            h = keys[-1] if keys else hasher.seed(namespace)
             for i in range(len(keys), nblocks):
                 h = self._hash(h, data[i * step : (i + 1) * step])
                 keys.append(h)
@@ -313,7 +213,7 @@ class HashBlockCache:
                 block.last_access = now
                 block.hit_count += 1
                 hit.append(block)
-        self._remember(data, namespace, keys)
+        hasher.remember(data, namespace, keys)
         if not hit:
             return MatchResult(0, _EMPTY.copy(), self.root)
         self._queue.refresh(hit)
@@ -325,19 +225,20 @@ class HashBlockCache:
         """Cache every full block of ``tokens``; return how many leading tokens were cached already.
 
         The caller frees ``indices[k:returned]`` (k = what it matched) as
-        duplicates; the cache takes the slots of the blocks after that. A
-        cached block found after a missing one (a stranded suffix) is replaced
-        by the caller's copy and its old slots come back from the next
-        ``evict``. New blocks enter the free queue tail-first. O(blocks).
+        duplicates; the cache takes the slots of the blocks after that. New
+        blocks enter the free queue tail first, and the unlocked cached blocks
+        above them are queued again behind them, so a chain's children always
+        leave before their parents. O(blocks).
         """
-        arr, data, nblocks = self._full_blocks(tokens)
+        hasher = self._keys
+        arr, data, nblocks = hasher.full_blocks(tokens)
         idx = as_token_array(indices)
         if len(idx) != len(arr):
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
-        now, bs, step = self._clock, self.block_size, 8 * self.block_size
-        keys = self._recall(data, namespace)
-        h = keys[-1] if keys else self._seed(namespace)
+        now, step = self._clock, 8 * self.block_size
+        keys = hasher.recall(data, namespace)
+        h = keys[-1] if keys else hasher.seed(namespace)
         for i in range(len(keys), nblocks):
             h = self._hash(h, data[i * step : (i + 1) * step])
             keys.append(h)
@@ -349,76 +250,93 @@ class HashBlockCache:
                 leading = i
                 break
             block.last_access = now
-        if self._queue.ranks_by_stats:  # their recency changed; lru's release-order queue ignores that
+        if leading < nblocks:
+            self._add_chain(keys, leading, data, idx, namespace)
+        elif self._queue.ranks_by_stats:  # their recency changed; lru's release-order queue ignores that
             self._queue.refresh([blocks[h] for h in keys[:leading]])
-        new: list[Block] = []
+        hasher.remember(data, namespace, keys)
+        return leading * self.block_size
+
+    def _add_chain(self, keys: list[BlockKey], leading: int, data: bytes, idx: np.ndarray,
+                   namespace: Hashable) -> None:
+        """Cache the blocks of ``keys[leading:]`` below the cached ``keys[:leading]`` and queue them.
+
+        None of them is cached: a cached block's parent is always cached, so
+        the first missing block ends every cached chain. O(new blocks + the
+        unlocked leading blocks queued again).
+        """
+        blocks, bs, now = self._blocks, self.block_size, self._clock
+        step = 8 * bs
+        # The unlocked leading blocks, a suffix of them (a locked block's parent is locked too): they
+        # go back into the queue behind the new blocks, so that parents stay behind their children.
+        requeue, i = [], leading - 1
+        while i >= 0 and not blocks[keys[i]].lock_count:
+            requeue.append(blocks[keys[i]])
+            i -= 1
+        requeue.reverse()
         # One copy of the new blocks' slots, a row (a view) each: a copy per block cost 7% of a hash replay.
-        rows = idx[leading * bs : nblocks * bs].astype(np.int64, copy=True).reshape(-1, bs)
-        parent = keys[leading - 1] if leading else self._seed(namespace)
-        for i, h, slots in zip(range(leading, nblocks), keys[leading:nblocks], rows, strict=True):
-            stranded = blocks.get(h)
-            if stranded is not None:
-                self._displace(stranded)
-            block = Block(h, parent, data[i * step : (i + 1) * step], slots, now)
+        rows = idx[leading * bs : len(keys) * bs].astype(np.int64, copy=True).reshape(-1, bs)
+        parent_key = keys[leading - 1] if leading else self._keys.seed(namespace)
+        if leading:
+            blocks[parent_key].num_children += 1
+        new: list[Block] = []
+        for i, h, slots in zip(range(leading, len(keys)), keys[leading:], rows, strict=True):
+            block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now)
             blocks[h] = block
             new.append(block)
-            parent = h
-        self._queue.push_reversed(new)
-        self._remember(data, namespace, keys)
-        return leading * bs
-
-    def _displace(self, block: Block) -> None:
-        # A stranded block has ref_cnt 0: a referenced chain always holds its whole prefix.
-        self._queue.remove(block)
-        block.cached = False
-        del self._blocks[block.key]
-        self._displaced.append(block.slots)
-        self._displaced_tokens += len(block.slots)
+            parent_key = h
+        for block in new[:-1]:
+            block.num_children = 1
+        if requeue:
+            self._queue.remove_many(requeue)
+        self._queue.push_reversed(requeue + new)
 
     def lock(self, node: BlockChain) -> None:
-        """Reference every block of the handle (taking unreferenced ones out of the free queue).
+        """Lock every block of the handle (taking unlocked ones out of the free queue). O(blocks in the handle).
 
         A handle is named by its last block (its key chains the whole prefix),
-        which counts the locks taken through it, so ``unlock`` can tell a
-        handle that was locked from a shorter one that only shares its blocks.
+        which counts the locks taken through it (``own_lock_count``), so
+        ``unlock`` can tell a handle that was locked from a shorter one that
+        only shares its blocks.
         """
         blocks = node.blocks
-        first_refs = [block for block in blocks if not block.ref_cnt]
-        # A referenced block is never evicted (and reset() zeroes the counts of what it drops),
-        # so only unreferenced blocks can be stale.
-        if not all(map(_CACHED, first_refs)):
+        first_locks = [block for block in blocks if not block.lock_count]
+        # A locked block is never evicted (and reset() zeroes the counts of what it drops),
+        # so only unlocked blocks can be stale.
+        if not all(map(_CACHED, first_locks)):
             raise LockError("cannot lock a handle one of whose blocks was evicted")
-        if first_refs:
-            self._queue.remove_many(first_refs)
-            self._protected_blocks += len(first_refs)
+        if first_locks:
+            self._queue.remove_many(first_locks)
+            self._protected_blocks += len(first_locks)
         for block in blocks:
-            block.ref_cnt += 1
+            block.lock_count += 1
         if blocks:
-            blocks[-1].tail_locks += 1
+            blocks[-1].own_lock_count += 1
 
     def unlock(self, node: BlockChain) -> None:
-        """Release one reference of every block; freed blocks join the queue tail, chain tail first.
+        """Release one lock of every block; freed blocks join the queue tail, chain tail first.
 
-        Raises ``LockError`` (changing nothing) when a block's count is already
-        0 (which includes every block of a handle from before ``reset``), or
-        when the handle was never locked itself: only longer handles sharing
-        its blocks were. Per-block counts alone would let that unlock through
-        and free blocks a longer locked handle still uses.
+        Raises ``LockError`` (changing nothing) when a block's lock count is
+        already 0 (which includes every block of a handle from before
+        ``reset``), or when the handle was never locked itself: only longer
+        handles sharing its blocks were. Per-block counts alone would let that
+        unlock through and free blocks a longer locked handle still uses.
+        O(blocks in the handle), x log n under a policy other than ``lru``.
         """
         blocks = node.blocks
-        if not all(map(_REF_CNT, blocks)):
-            bad = next(b for b in blocks if not b.ref_cnt)
-            raise LockError(f"unlock of {bad!r} whose reference count is already 0 (or no longer cached)")
+        if not all(map(_LOCK_COUNT, blocks)):
+            bad = next(b for b in blocks if not b.lock_count)
+            raise LockError(f"unlock of {bad!r} whose lock count is already 0 (or no longer cached)")
         if blocks:
-            if not blocks[-1].tail_locks:
+            if not blocks[-1].own_lock_count:
                 raise LockError(f"unlock of a handle ending at {blocks[-1]!r}, which holds no lock of its own "
-                                "(its blocks are referenced by longer handles only)")
-            blocks[-1].tail_locks -= 1
+                                "(its blocks are locked by longer handles only)")
+            blocks[-1].own_lock_count -= 1
         released = []
         for block in blocks:
-            block.ref_cnt -= 1
-            if not block.ref_cnt:
-                released.append(block)
+            block.lock_count -= 1
+            if not block.lock_count:
+                released.append(block)  # a suffix of the chain: a parent's count is at least its child's
         if released:
             self._protected_blocks -= len(released)
             self._clock += 1
@@ -428,22 +346,27 @@ class HashBlockCache:
             self._queue.push_reversed(released)
 
     def evict(self, num_tokens: int) -> np.ndarray:
-        """Free blocks from the free queue's head until ``num_tokens`` are freed or none is left.
+        """Free unlocked blocks in policy order, children first, until ``num_tokens`` are freed or none is left.
 
         Returns the freed slots (int64); the caller gives them back to its
-        allocator. O(k) for k blocks with lru, O(k log n) otherwise.
+        allocator. A parent becomes a candidate in the same call once its last
+        cached child is gone. O(k) for k blocks with lru, O(k log n) otherwise.
         """
         freed, count = [], 0
-        if self._displaced and num_tokens > 0:
-            freed, count = self._displaced, self._displaced_tokens
-            self._displaced, self._displaced_tokens = [], 0
-        if count < num_tokens:
-            victims = self._queue.pop_many(-(-(num_tokens - count) // self.block_size))
-            blocks = self._blocks
-            for block in victims:
-                block.cached = False
-                del blocks[block.key]
-                freed.append(block.slots)
+        blocks, queue = self._blocks, self._queue
+        while count < num_tokens:
+            block = queue.pop()
+            if block is None:
+                break
+            block.cached = False
+            del blocks[block.key]
+            freed.append(block.slots)
+            count += self.block_size
+            parent = blocks.get(block.parent_key)
+            if parent is not None:
+                parent.num_children -= 1
+                if not parent.num_children:
+                    queue.ready(parent)  # lru: already queued behind its children; others: rank it again
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def cacheable_length(self, num_tokens: int) -> int:
@@ -461,55 +384,85 @@ class HashBlockCache:
             if not ok:  # the detail (often a block) is formatted only on failure: this runs per block
                 raise AssertionError(f"HashBlockCache invariant '{name}' broken: {detail!r}")
 
-        protected = 0
+        locked = 0
+        children: dict[BlockKey, list[Block]] = {}
         for key, block in self._blocks.items():
             require(block.key == key and block.cached, "map keys match their blocks", block)
             require(len(block.slots) == self.block_size, "blocks are full", block)
             require(len(block.tokens) == 8 * self.block_size, "block tokens are full", block)
             require(block.slots.dtype == np.int64, "indices are int64", block)
-            require(block.ref_cnt >= 0, "reference counts >= 0", block)
+            require(block.lock_count >= 0, "lock counts >= 0", block)
             require(self._hash(block.parent_key, block.tokens) == key, "key = H(parent key, tokens)", block)
-            require((block in self._queue) == (block.ref_cnt == 0), "free queue holds exactly the unreferenced blocks",
+            require((block in self._queue) == (block.lock_count == 0), "free queue holds exactly the unlocked blocks",
                     block)
-            protected += block.ref_cnt > 0
+            locked += block.lock_count > 0
+            children.setdefault(block.parent_key, []).append(block)
+        self._check_tree(require, children)
         self._check_lock_counts(require)
-        require(len(self._queue) == len(self._blocks) - protected, "free queue size")
-        require(protected == self._protected_blocks, "sizes: protected",
-                f"counted {protected} blocks, recorded {self._protected_blocks}")
-        require(self._displaced_tokens == sum(len(s) for s in self._displaced), "sizes: displaced")
+        self._check_children_first(require)
+        require(len(self._queue) == len(self._blocks) - locked, "free queue size")
+        require(locked == self._protected_blocks, "sizes: protected",
+                f"counted {locked} blocks, recorded {self._protected_blocks}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        slots = [b.slots for b in self._blocks.values()] + self._displaced
-        if slots:
-            flat = np.concatenate(slots)
+        if self._blocks:
+            flat = np.concatenate([b.slots for b in self._blocks.values()])
             require(all_unique(flat), "slot indices unique across the cache")
 
-    def _check_lock_counts(self, require) -> None:
-        """Each block's ref_cnt is the sum of the tail locks of the chains through it. O(locked handles * depth)."""
+    def _check_tree(self, require: Require, children: dict[BlockKey, list[Block]]) -> None:
+        """Every cached block hangs from a namespace's seed through cached blocks. O(blocks)."""
+        reached, stack = 0, self._keys.seeds()
+        while stack:
+            for block in children.get(stack.pop(), ()):
+                reached += 1
+                stack.append(block.key)
+        require(reached == len(self._blocks), "every block is reachable from its root",
+                f"{len(self._blocks) - reached} cached blocks hang from a block that is not cached")
+        for key, block in self._blocks.items():
+            require(block.num_children == len(children.get(key, ())), "child counts", block)
+
+    def _check_lock_counts(self, require: Require) -> None:
+        """Each block's lock_count is the sum of the own locks of the chains through it. O(locked handles * depth)."""
         through: dict[BlockKey, int] = {}
         for block in self._blocks.values():
-            require(block.tail_locks >= 0, "tail lock counts >= 0", block)
-            key, locks = block.key, block.tail_locks
+            require(block.own_lock_count >= 0, "own lock counts >= 0", block)
+            key, locks = block.key, block.own_lock_count
             while locks and key in self._blocks:
                 through[key] = through.get(key, 0) + locks
                 key = self._blocks[key].parent_key
         for key, block in self._blocks.items():
-            require(block.ref_cnt == through.get(key, 0), "ref_cnt = locks of the handles through the block", block)
+            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through the block",
+                    block)
+
+    def _check_children_first(self, require: Require) -> None:
+        """``evict`` takes a block only after its cached children. O(blocks).
+
+        ``lru``: every queued block is ahead of its parent, so the head has no
+        cached child. Others: ``pop`` passes over a block with children, so
+        every unlocked leaf block must be ranked, or evict could get stuck.
+        """
+        if self._queue.ranks_by_stats:
+            ranked = self._queue.ranked()
+            for block in self._blocks.values():
+                if not block.lock_count and not block.num_children:
+                    require(block in ranked, "every unlocked leaf block is ranked", block)
+            return
+        position = {block: i for i, block in enumerate(self._queue)}
+        for block, i in position.items():
+            parent = self._blocks.get(block.parent_key)
+            if parent in position:
+                require(position[parent] > i, "children before parents in the free queue", block)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
-        """The cached blocks of one namespace as a tree of nested dicts (one node per block).
-
-        Blocks whose parent block was evicted (unreachable by ``match_prefix``
-        until they are evicted too) are not shown. O(blocks).
-        """
+        """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""
         children: dict[BlockKey, list[Block]] = {}
         for block in self._blocks.values():
             children.setdefault(block.parent_key, []).append(block)
 
         def walk(block: Block) -> dict[str, Any]:
             return {
-                "tokens": np.frombuffer(block.tokens, dtype=_LE_INT64).tolist(),
+                "tokens": np.frombuffer(block.tokens, dtype=LE_INT64).tolist(),
                 "indices": block.slots.tolist(),
-                "lock_count": block.ref_cnt,
+                "lock_count": block.lock_count,
                 "last_access": block.last_access,
                 "hit_count": block.hit_count,
                 "children": [walk(c) for c in children.get(block.key, [])],
@@ -517,7 +470,7 @@ class HashBlockCache:
 
         return {
             "tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
-            "children": [walk(b) for b in children.get(self._seed(namespace), [])],
+            "children": [walk(b) for b in children.get(self._keys.seed(namespace), [])],
         }
 
     def pretty_print(self) -> str:
@@ -531,14 +484,12 @@ class HashBlockCache:
         def walk(node: dict[str, Any], depth: int) -> None:
             for child in node["children"]:
                 toks = " ".join(map(str, child["tokens"][:12])) + (" ..." if len(child["tokens"]) > 12 else "")
-                lines.append(f"{'  ' * depth}[{toks}] ref={child['lock_count']} hits={child['hit_count']}")
+                lines.append(f"{'  ' * depth}[{toks}] lock={child['lock_count']} hits={child['hit_count']}")
                 walk(child, depth + 1)
 
         walk(self.to_dict(), 1)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (
-            f"HashBlockCache(block_size={self.block_size}, hash_algo={self.hash_algo!r}, "
-            f"eviction_policy={self.eviction_policy!r}, blocks={self.num_blocks})"
-        )
+        return (f"HashBlockCache(block_size={self.block_size}, hash_algo={self.hash_algo!r}, "
+                f"eviction_policy={self.eviction_policy!r}, blocks={self.num_blocks})")

@@ -20,7 +20,7 @@ class NoPrefixCache:
     the input validation of ``insert``.
     """
 
-    page_size = 1
+    page_size = 1  # the granularity every cache exposes (its matches are always 0 tokens)
     eviction_policy = "none"
 
     def __init__(self) -> None:

@@ -40,14 +40,16 @@ class RadixNode:
     """One edge of the tree and the node it leads to.
 
     ``key`` holds the edge's token ids as int64 bytes and ``value`` their slot
-    indices (``len(key) == 8 * len(value)``). ``lock_ref`` counts the locks
-    held on this node or anywhere in its subtree; ``direct_locks`` those held
-    on this very node, so ``lock_ref == direct_locks + sum of the children's
-    lock_ref`` and only a node that was locked itself can be unlocked.
+    indices (``len(key) == 8 * len(value)``). ``lock_count`` counts the locks
+    that protect the node: those held on it or anywhere in its subtree (one
+    per running request whose handle passes through it); ``own_lock_count``
+    those held on this very node, so ``lock_count == own_lock_count + sum of
+    the children's lock_count`` and only a node that was locked itself can be
+    unlocked.
     """
 
     __slots__ = (
-        "key", "value", "children", "parent", "lock_ref", "direct_locks",
+        "key", "value", "children", "parent", "lock_count", "own_lock_count",
         "last_access", "hit_count", "created", "stamp",
     )
 
@@ -56,8 +58,8 @@ class RadixNode:
         self.value = value
         self.children: dict[bytes, RadixNode] = {}
         self.parent = parent
-        self.lock_ref = 0
-        self.direct_locks = 0
+        self.lock_count = 0
+        self.own_lock_count = 0
         self.last_access = now
         self.hit_count = 0
         self.created = now
@@ -75,15 +77,16 @@ class RadixNode:
         toks = self.tokens
         shown = toks[:8].tolist()
         more = "..." if len(toks) > 8 else ""
-        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_ref})"
+        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_count})"
 
 
 class RadixCache:
     """Token-level radix tree mapping token prefixes to KV slot indices.
 
     Args:
-        page_size: tokens per KV page. Matches and inserts are rounded down to
-            whole pages, and edges always hold whole pages.
+        page_size: slots (tokens) per KV page, the unit the tree matches in.
+            Matches and inserts are rounded down to whole pages, and edges
+            always hold whole pages.
         eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo``
             (see :mod:`radixkv.cache.eviction`).
 
@@ -182,7 +185,7 @@ class RadixCache:
             node.stamp == entry[1]
             and node.parent is not None
             and not node.children
-            and node.lock_ref == 0
+            and node.lock_count == 0
         )
 
     def _common_bytes(self, key: bytes, query: bytes, off: int) -> int:
@@ -206,7 +209,7 @@ class RadixCache:
         ntok = nbytes // _ITEM
         parent = child.parent
         upper = RadixNode(child.key[:nbytes], child.value[:ntok].copy(), parent, child.created)
-        upper.lock_ref = child.lock_ref
+        upper.lock_count = child.lock_count
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
         parent.children[child.key[: self._page_bytes]] = upper
@@ -215,7 +218,7 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
-        if not child.children and child.lock_ref == 0:
+        if not child.children and child.lock_count == 0:
             self._push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
         return upper
 
@@ -261,7 +264,7 @@ class RadixCache:
             values.append(node.value)
             if ends_inside:
                 break
-        if node.parent is not None and not node.children and node.lock_ref == 0:
+        if node.parent is not None and not node.children and node.lock_count == 0:
             self._push(node)  # its priority changed
         length = off // _ITEM
         self._hit_tokens += length
@@ -304,7 +307,7 @@ class RadixCache:
             self._num_nodes += 1
             self._total += stop - start
             self._push(leaf)
-        elif node.parent is not None and not node.children and node.lock_ref == 0:
+        elif node.parent is not None and not node.children and node.lock_count == 0:
             self._push(node)  # fully cached: its recency changed
         return off // _ITEM
 
@@ -324,11 +327,11 @@ class RadixCache:
         """
         self._check_attached(node, "lock")
         if node.parent is not None:
-            node.direct_locks += 1
+            node.own_lock_count += 1
         while node.parent is not None:
-            if node.lock_ref == 0:
+            if node.lock_count == 0:
                 self._protected += len(node.value)
-            node.lock_ref += 1
+            node.lock_count += 1
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
@@ -342,19 +345,19 @@ class RadixCache:
         self._check_attached(node, "unlock")
         if node.parent is None:
             return
-        if node.direct_locks <= 0:
+        if node.own_lock_count <= 0:
             raise LockError(
-                f"unlock of {node!r}, which holds no lock of its own (lock count {node.lock_ref}; "
+                f"unlock of {node!r}, which holds no lock of its own (lock count {node.lock_count}; "
                 "locks on nodes below it are released through those nodes)"
             )
-        node.direct_locks -= 1
+        node.own_lock_count -= 1
         leaf = node
         while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
+            node.lock_count -= 1
+            if node.lock_count == 0:
                 self._protected -= len(node.value)
             node = node.parent
-        if leaf.lock_ref == 0 and not leaf.children:
+        if leaf.lock_count == 0 and not leaf.children:
             self._push(leaf)
 
     def evict(self, num_tokens: int) -> np.ndarray:
@@ -379,7 +382,7 @@ class RadixCache:
             freed.append(node.value)
             count += len(node.value)
             self._num_nodes -= 1
-            if not parent.children and parent.parent is not None and parent.lock_ref == 0:
+            if not parent.children and parent.parent is not None and parent.lock_count == 0:
                 self._push(parent)
         self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
@@ -409,7 +412,7 @@ class RadixCache:
         total = protected = nodes = 0
         values = []
         for ns, root in self._roots.items():
-            require(root.parent is None and not root.key and root.lock_ref == 0, "root",
+            require(root.parent is None and not root.key and root.lock_count == 0, "root",
                     f"root of namespace {ns!r} must be empty, parentless and unlocked")
         for node in self._all_nodes():
             nodes += 1
@@ -418,17 +421,17 @@ class RadixCache:
             require(len(node.key) == _ITEM * n, "key and value lengths", node)
             require(n % self.page_size == 0, "edge lengths page-aligned", (node, f"page_size={self.page_size}"))
             require(node.parent.children.get(node.key[:pb]) is node, "child keys match their edges", node)
-            require(node.lock_ref >= 0, "lock counts >= 0", node)
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            require(node.direct_locks >= 0 and node.lock_ref == node.direct_locks + child_locks,
+            require(node.lock_count >= 0, "lock counts >= 0", node)
+            child_locks = sum(c.lock_count for c in node.children.values())
+            require(node.own_lock_count >= 0 and node.lock_count == node.own_lock_count + child_locks,
                     "lock counts consistent with the children",
-                    (node, f"own locks {node.direct_locks}, children's locks sum to {child_locks}"))
+                    (node, f"own_lock_count {node.own_lock_count}, children's lock_count sum to {child_locks}"))
             require(node.value.dtype == np.int64, "indices are int64", node)
             require(node.last_access <= self._clock and node.created <= self._clock, "logical clock", node)
-            if not node.children and node.lock_ref == 0:
+            if not node.children and node.lock_count == 0:
                 require(id(node) in live, "every evictable leaf is in the eviction heap", node)
             total += n
-            protected += n if node.lock_ref > 0 else 0
+            protected += n if node.lock_count > 0 else 0
             values.append(node.value)
         require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
         require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
@@ -445,7 +448,7 @@ class RadixCache:
             return {
                 "tokens": node.tokens.tolist(),
                 "indices": node.value.tolist(),
-                "lock_count": node.lock_ref,
+                "lock_count": node.lock_count,
                 "last_access": node.last_access,
                 "hit_count": node.hit_count,
                 "children": [walk(c) for c in node.children.values()],
@@ -466,7 +469,7 @@ class RadixCache:
                 toks = child.tokens
                 shown = " ".join(map(str, toks[:12].tolist())) + (" ..." if len(toks) > 12 else "")
                 lines.append(
-                    f"{'  ' * depth}[{shown}] len={len(toks)} lock={child.lock_ref} "
+                    f"{'  ' * depth}[{shown}] len={len(toks)} lock={child.lock_count} "
                     f"hits={child.hit_count} t={child.last_access}"
                 )
                 walk(child, depth + 1)

@@ -116,7 +116,7 @@ def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedM
     # the caller gets its own copy of the transformers model: Module.to() casts in place, which would
     # change what the next load of this file returns
     model = _from_hf(hf, dtype, device)
-    model.gguf_file = str(path)  # pack_linears reads its exact 4-bit codes where it has them
+    model.gguf_file = str(path)  # radixkv.cpu.linear.pack_linears reads its exact 4-bit codes where it has them
     return LoadedModel(model, tok, copy.deepcopy(hf) if keep_hf else None, str(path))
 
 

@@ -10,7 +10,7 @@ import torch
 
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.kv_pool import KVPool
-from radixkv.model.llama import LlamaForCausalLM
+from radixkv.model.forward import Forward
 from radixkv.scheduling import causal_pairs
 
 
@@ -71,10 +71,11 @@ def prepare_step(pool: KVPool, backend: AttentionBackend, new_tokens: Sequence[S
     return StepInputs(ids, positions, out_slots, qo)
 
 
-def run_step(model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
+def run_step(model: Forward, pool: KVPool, backend: AttentionBackend,
              new_tokens: Sequence[Sequence[int]], batch: AttentionBatch, all_logits: bool = False) -> torch.Tensor:
     """Forward the new tokens of every request of ``batch``; logits of each request's last token.
 
+    ``model`` is a model or the forward ``build_forward`` returned for it.
     Returns ``[batch, vocab]`` (``[num_tokens, vocab]`` with ``all_logits``).
     """
     x = prepare_step(pool, backend, new_tokens, batch)

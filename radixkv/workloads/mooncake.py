@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from radixkv.config import _is_int, _is_real
+from radixkv.checks import is_int, is_real
 from radixkv.workloads.request import Request
 
 TRACE_BLOCK = 512
@@ -39,7 +39,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace not found at {path} (see shared/traces/README.md)")
-    if limit is not None and (not _is_int(limit) or limit < 1):
+    if limit is not None and (not is_int(limit) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
     rows = []
     with path.open("rb") as f:
@@ -60,7 +60,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def _integer(x: object) -> int | None:
     """``x`` as an int where it is one (or an integral float), else None."""
-    if _is_int(x):
+    if is_int(x):
         return int(x)
     if isinstance(x, float) and x.is_integer():
         return int(x)
@@ -84,7 +84,7 @@ def _record(line: str, where: str) -> dict:
     if out is None or not 0 <= out <= MAX_LENGTH:
         raise ValueError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH}], "
                          f"got {row['output_length']!r}")
-    if not _is_real(ts):
+    if not is_real(ts):
         raise ValueError(f"{where}: timestamp must be a finite number, got {ts!r}")
     if not isinstance(ids, list) or not all(_integer(b) is not None and 0 <= b < MAX_HASH_ID for b in ids):
         raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^54)")

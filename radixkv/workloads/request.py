@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixkv.config import _is_int
+from radixkv.checks import is_int
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class Request:
             self.after = tuple(self.after)
         except TypeError:
             raise ValueError(f"after must be a tuple of request ids, got {self.after!r}") from None
-        if not all(map(_is_int, self.after)):
+        if not all(map(is_int, self.after)):
             raise ValueError(f"after must hold request ids (ints), got {self.after!r}")
         self.after = tuple(int(d) for d in self.after)
         self.prompt = np.asarray(self.prompt, dtype=np.int64).reshape(-1)

@@ -7,9 +7,8 @@ Where Linux's THP mode is ``madvise`` (the default of many distributions, and
 this project's machine) anonymous memory gets 2 MiB pages only if it is
 advised before its first touch. These helpers map the memory themselves
 (anonymous ``mmap``, zero until written), advise it, and wrap it as a tensor.
-Measured on the project's 2-core EPYC, old and new alternating in one process:
-a batch-8 decode step took 34.05 against 33.06 ms, batch 1 13.28 against 13.09
-(docs/experiments.md, twelfth round).
+``radixkv.cpu.accelerate`` puts the KV pool (``KVPool.reallocate``) and the
+decode kernels' weight tiles here.
 
 Where THP is off, the memory is ordinary pages; where the platform has no
 ``MADV_HUGEPAGE`` (not Linux), the helpers are plain ``torch`` calls: the same

@@ -4,21 +4,21 @@ PyTorch has no op that attends over a paged pool without first gathering
 the K/V rows into a dense batch, and on a CPU that copy costs as much as the
 attention itself; at decode batch sizes, a Llama layer's small elementwise
 ops cost more in dispatch than in arithmetic. ``cpu_kernels.cpp`` has
-``paged_decode`` and ``paged_prefill`` (gather-free attention) and
-``rms_norm``, ``rope_store`` and ``silu_mul`` (one call each), and
-``small_linear`` (decode-sized linear layers straight from 16-bit weights)
-and ``coded_linear`` (the same outputs from exact 4-bit codes of those
-weights, ``radixkv.model.coded``);
-its comments document shapes and dtypes. Each has an AVX2 path with FMA and
-F16C (float32 arithmetic on any storage dtype; CPUs such as Zen 3 have no
-16-bit matrix instructions, and on AVX-512 CPUs decode attention measured
-faster this way than in bfloat16 dot products) and portable loops;
-``paged_prefill`` also has an AVX-512 BF16 path, and ``small_linear``
-multiplies bfloat16 blocks of 4 rows in BF16 dot products there; ``has_avx512_bf16()``,
-``has_avx2()`` and ``prefill_supported(dtype, head_dim)`` say which were
-compiled in. It is built with
-``torch.utils.cpp_extension`` the first time it is asked for (about 25 s on
-2 cores, then cached under ``~/.cache/torch_extensions``), for this
+``paged_decode`` and ``paged_prefill`` (gather-free attention), ``rms_norm``,
+``rope_store`` and ``silu_mul`` (one call each), ``small_linear``
+(decode-sized linear layers straight from 16-bit weights), ``coded_linear``
+(the same outputs from exact 4-bit codes of those weights,
+``radixkv.cpu.coded``) and ``DecodeStack`` (a pure-decode step's whole layer
+stack in one call); its comments document shapes and dtypes. Each has an
+AVX2 path with FMA and F16C (float32 arithmetic on any storage dtype: CPUs
+such as Zen 3 have no 16-bit matrix instructions, and on AVX-512 CPUs decode
+attention ran faster this way than in bfloat16 dot products) and portable
+loops; ``paged_prefill`` also has an AVX-512 BF16 path, and ``small_linear``
+multiplies bfloat16 blocks of 4 rows in BF16 dot products there.
+``has_avx512_bf16()``, ``has_avx2()`` and ``prefill_supported(dtype,
+head_dim)`` say which were compiled in. It is built with
+``torch.utils.cpp_extension`` the first time it is asked for (tens of
+seconds, then cached under ``~/.cache/torch_extensions``), for this
 machine's CPU (``-march=native``), so the cache is keyed by the CPU's
 feature flags.
 

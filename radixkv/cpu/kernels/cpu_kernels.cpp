@@ -15,9 +15,9 @@
 // (for groups of up to 3 query heads on the AVX2 path, which takes larger groups 3 heads at a time).
 // Scores, softmax and the weighted sum of V are float32.
 // Any dtype with a head_dim that is a multiple of 8 takes the float32 AVX2 path where the compiler
-// targets AVX2 with FMA and F16C, AVX-512 CPUs included: on a 2-core Zen 4 (AVX-512 BF16) it took
-// 0.66x the time of a BF16 dot-product AVX-512 kernel at batch 1 (it splits a long context across the
-// threads) and 0.98x at batch 8, so that kernel was dropped. Every other case takes portable loops.
+// targets AVX2 with FMA and F16C, AVX-512 CPUs included: there it beats a BF16 dot-product AVX-512
+// kernel (it splits a long context across the threads), so there is none. Every other
+// case (a head_dim that is not a multiple of 8, float64, a CPU without AVX2) takes the portable loops.
 // Prefill has an AVX-512 BF16 path (bfloat16, head_dim 64 or 128) besides the AVX2 one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -156,8 +156,8 @@ inline void transpose16x16(__m512i (&r)[16]) {
 
 // K and V of KV head h for tokens slots[0:len) in the layouts above (d a multiple of 32). Whole tiles of 16
 // tokens go 16 x 16 words at a time through a register transpose and V pairs 32 dimensions at a time through
-// a word interleave; the last, partial tile and an odd last token go element by element. Scalar
-// throughout, packing took 15% of an 8 x 150 prefill step's attention (after 1,024 cached tokens).
+// a word interleave; the last, partial tile and an odd last token go element by element (element by
+// element throughout, packing would be a large share of a prefill step's attention).
 void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t len, int64_t h, int64_t row_stride,
              int64_t d, uint32_t* kt, uint32_t* vp) {
   const int64_t tiles = (len + 15) / 16, half = d / 2, full = len / 16;
@@ -386,8 +386,7 @@ void prefill_bf16_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v
 #ifdef RADIXKV_AVX2
 // Loops over small arrays of vector registers (accumulators, a tile's vectors) are unrolled at the
 // source: unrolled late, GCC keeps such an array in registers but still stores every element to the
-// stack on each iteration, which made the FMA loops store-bound (small_linear at 8 rows ran at a third
-// of its FMA rate).
+// stack on each iteration, which made the FMA loops store-bound.
 #define RADIXKV_UNROLL _Pragma("GCC unroll 16")
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -448,9 +447,8 @@ inline float softmax_row(float* s, int64_t n, int64_t padded, float* max_out = n
 // acc[r][c] += sum_{t < n} p[r][t] * row(t)[8c .. 8c + 8): the P.V loop that prefill (float32 rows) and
 // decode (16-bit rows straight from the pool) share; row(t) returns a pointer that load8 reads. Each step
 // holds the fewer of its R weights and C vectors in registers and streams the other, so R * C accumulators
-// + min(R, C) + 1 fit the 16 registers: decode's 3 x 4 held all 4 vectors (17) and kept an accumulator on
-// the stack, and 30 layers' attention at batch 8 took 11.71 ms against 10.98 with the K/V in L3 (16.75
-// against 16.50 from DRAM). Either order sums each accumulator over t alike: the same bits.
+// + min(R, C) + 1 fit the 16 registers (decode's 3 x 4 holding all 4 vectors would need 17, and would keep
+// an accumulator on the stack). Either order sums each accumulator over t alike: the same bits.
 template <int R, int C, typename Row>
 inline void pv_accumulate(const float* const* p, int64_t n, Row row, __m256 (&acc)[R][C]) {
   for (int64_t t = 0; t < n; ++t) {
@@ -512,14 +510,12 @@ inline void prefetch_row(const T* p, int64_t bytes) {
 }
 
 // Decode prefetches whole K rows, and each P.V pass its slice of the V rows, this many tokens ahead: slots
-// need not be consecutive, so the hardware prefetcher cannot guess them. Without it the kernel waited on
-// memory most of the time (8 requests x 1,024 tokens, 30 layers from DRAM: 2x slower); prefetching
-// further ahead (32-256) or nearer (8) measured slower.
+// need not be consecutive, so the hardware prefetcher cannot guess them, and without it the kernel waits on
+// memory most of the time. These distances were the fastest of those tried (docs/experiments.md).
 constexpr int64_t kDecodePrefetchK = 16, kDecodePrefetchV = 32;
 // On AVX-512 CPUs the score pass also pulls whole V rows into L2 (hint T1), this many tokens ahead, so that
-// the P.V passes' slices come from L2: on a 2-core Zen 4, 30 layers' attention at batch 8 from DRAM took
-// 0.84-0.87x the time (16 ahead 0.92x, 64 ahead 0.97x), batch 1 0.84-0.89x. On a Zen 3 (AVX2 only) the same
-// prefetch 16 ahead was slower in two rounds (batch 8 15.2 -> 17.7 ms, 14.98 -> 16.29), so it stays off there.
+// the P.V passes' slices come from L2. On the AVX2-only CPUs tried (Zen 3) the same prefetch made decode
+// slower, so it stays off there (docs/experiments.md).
 #ifdef __AVX512F__
 constexpr int64_t kDecodePrefetchVInScores = 32;
 #else
@@ -529,11 +525,10 @@ constexpr int64_t kDecodePart = 256;   // most tokens per task: a long context s
 
 // Tasks for a context of len tokens: enough of at most kDecodePart tokens, rounded up to a multiple of the
 // threads (at most len, so none is empty), in sizes within one token of each other, so that a lone request
-// keeps every thread busy. Cut at kDecodePart, 1,025 tokens made parts of 256 x 4 and 1, and at batch 1
-// one thread took three of the five: 30 layers' attention took 2.64 ms against 1.94 ms in sixths of 171
-// (600 tokens: 1.38 against 0.94 ms). At batch 8 the requests' parts share the threads out anyway, and
-// sixths cost 14.97 against 14.54 ms. The split depends on len alone, so a request gets the same output
-// alone or in any batch.
+// keeps every thread busy: cut at kDecodePart instead, 1,025 tokens would make parts of 256 x 4 and 1, and
+// at batch 1 one of two threads would take three of the five. At larger batches the requests' parts share
+// the threads out anyway. The split depends on len alone, so a request gets the same output alone or in
+// any batch.
 inline int64_t decode_parts(int64_t len, int64_t threads) {
   const int64_t parts = std::max<int64_t>(1, (len + kDecodePart - 1) / kDecodePart);
   return std::min(std::max<int64_t>(len, 1), (parts + threads - 1) / threads * threads);
@@ -542,8 +537,8 @@ inline int64_t decode_parts(int64_t len, int64_t threads) {
 // Scores of HB query heads (rows qf[0..HB) of one KV head's group, float32, scaled) against 4 tokens
 // (pool rows slot4[0..4) of k, which points at this KV head's slice of row 0): up to 12 dot products
 // accumulate at once, each K vector widened once, in a register, for every head of the block, and each
-// q vector loaded once per 8 dimensions. The loop is bound by loads: with q folded into every FMA (16
-// loads per 12 FMAs) a harness ran it at 47 GFLOP/s on one thread, with q in registers (7 loads) at 64.
+// q vector loaded once per 8 dimensions. The loop is bound by loads, so q stays in registers (7 loads per
+// 12 FMAs) rather than folded into every FMA (16 loads).
 // s[h][0..4): head h's scores.
 template <typename T, int HB>
 inline void scores_4tok(const float* qf, int64_t d, const T* k, int64_t row, const int64_t* slot4, float* const* s) {
@@ -621,10 +616,10 @@ inline std::array<float*, 3> head_rows(float* base, int64_t qh, int64_t heads, i
 // query head qh, m[qh] = its largest score, l[qh] = sum_t exp(s_t - m), acc[qh] = sum_t exp(s_t - m) v_t
 // (unnormalized, so parts of one request merge exactly). qf: [H, D] float32, already scaled.
 // Scores go 4 tokens at a time through every KV head (in blocks of up to 3 of its query heads), so each
-// K row is read whole, once, while it is in L1; going KV head by KV head over all tokens instead read a
-// third of every row per pass, and 8 requests x 1,024 tokens x 30 layers from DRAM took 1.2-1.3x as
-// long. P.V goes KV head by KV head (its accumulators fill the registers); its rows come from L2 after
-// the first pass. Both read the pool straight, widening 16-bit vectors in registers.
+// K row is read whole, once, while it is in L1 (going KV head by KV head over all tokens instead would read
+// a third of every row per pass from memory). P.V goes KV head by KV head (its accumulators fill the
+// registers); its rows come from L2 after the first pass. Both read the pool straight, widening 16-bit
+// vectors in registers.
 template <typename T>
 void decode_part_avx2(const float* qf, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t heads,
                       int64_t kv_heads, int64_t d, float* m, float* l, float* acc, std::vector<float>& scores) {
@@ -689,8 +684,8 @@ void decode_avx2(const T* q, int64_t q_row, const T* k, const T* v, const int64_
       }
     }
   });
-  // Merge each request's parts: rescale to the largest max. Request by request across the threads: on one,
-  // a batch-8 step's 30 merges (their std::exp calls) took 0.3 ms while the other thread waited.
+  // Merge each request's parts: rescale to the largest max. Request by request across the threads, so
+  // that no thread waits while another makes every merge's std::exp calls.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(d);
     for (int64_t b = begin; b < end; ++b)
@@ -741,8 +736,8 @@ inline void scores_block(const float* const* qr, const float* k0, int64_t d, flo
 // so a query row's scores of 8 tokens are one broadcast-FMA per dimension; V into float32 rows.
 // Each task (request, KV head, block of queries) computes scores 6 rows x 16 tokens at a time, an exact
 // float32 softmax per row, and P.V 6 rows x 16 dimensions at a time: 12 accumulators, and per step 2
-// vector loads and 6 broadcasts (which cost a load, not a shuffle, on Zen 3); in L1 that ran at 86% of
-// one core's FMA rate, 3 x 32 and 4 x 16 blocks at 58-65%. Both passes go a tile of tokens at a time
+// vector loads and 6 broadcasts (which cost a load, not a shuffle, on AVX2 CPUs such as Zen 3): the block
+// shape that kept the FMA units busiest of those tried. Both passes go a tile of tokens at a time
 // (its K or V in L1) through every row block, so a request's K and V stream from memory once per task.
 constexpr int64_t kQueryBlockAvx2 = 16;
 constexpr int64_t kRowBlockAvx2 = 6;   // query rows per register block
@@ -866,7 +861,7 @@ void prefill_avx2(const T* q, const T* k, const T* v, const int64_t* kv_idx, con
         tasks.push_back({r, h, i0, std::min(i0 + kQueryBlockAvx2, qo_indptr[r + 1] - qo_indptr[r])});
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     // Kept between calls (it grows to the largest request seen): fresh buffers of a few MB cost more in
-    // page faults than the packing itself (6-10 ms of a 30-40 ms layer, 8 x 150 queries after 500-1000).
+    // page faults than the packing itself.
     static thread_local PrefillRows w;
     int64_t packed = -1;  // the (request, KV head) whose K and V w.kv holds
     for (int64_t ti = begin; ti < end; ++ti) {
@@ -939,8 +934,7 @@ inline void store_sums(const __m256 (&acc)[MB][U], const float* bias, T* y, int6
 }
 
 // How far ahead in a tile's stream linear_tile prefetches the weights (into L2), in bytes. The hardware
-// prefetchers alone left the FMA loop waiting on memory: SmolLM2's 30 layers of linears at 8 rows, weights
-// from DRAM, took 19.3 ms without it and 17.6 ms with it (1,024-4,096 bytes ahead all within noise).
+// prefetchers alone left the FMA loop waiting on memory; any distance of 1-4 KiB does as well.
 constexpr int64_t kWeightPrefetch = 2048;
 
 // Rows per block of x: linear_group multiplies whole blocks, linear_tile the last, shorter one.
@@ -952,8 +946,8 @@ constexpr int kRowBlock = 4;
 constexpr int partial_sums(int mb) { return mb >= kRowBlock ? 1 : (mb >= 2 ? 4 : 8); }
 
 // MB rows of x against one tile. x is the row block interleaved, x[i * MB + m] = row m's element i, so each
-// step's MB broadcasts read one run of MB floats; as MB row-major rows (MB streams k floats apart) the
-// same 30 layers took 24.7 ms instead of 19.3. U = partial_sums(MB) independent sums per row hide FMA latency.
+// step's MB broadcasts read one run of MB floats, not MB streams k floats apart (as row-major rows would be).
+// U = partial_sums(MB) independent sums per row hide FMA latency.
 template <typename T, int MB>
 inline void linear_tile(const float* x, const T* tile, int64_t k, const float* bias, T* y, int64_t ldy) {
   constexpr int U = partial_sums(MB);
@@ -1004,12 +998,11 @@ class GroupPrefetch {
 
 // kRowBlock rows of x (interleaved, as linear_tile reads them) against NC consecutive tiles (k * 8 apart):
 // 4 x NC accumulators, each output summed in one chain. With NC = 3, twelve chains hide the FMA latency
-// that the former 8-row linear_tile's eight did not (one 8-row block, one tile, the same bits: each output
-// is one chain in both). In a stand-alone copy of SmolLM2's 30 layers of linears at 8 rows, 2 threads,
-// weights in L3 went 143 -> 182 GFLOP/s (this machine's FMA peak is 205) and from DRAM 135 -> 146, which
-// is 90% of a plain read's bandwidth; in the model, all 121 linears at 8 rows took 16.0 ms against 17.7.
+// that eight (one 8-row block against one tile, the same bits: each output is one chain in both) do not,
+// which brings a decode step's linears close to the CPU's FMA peak with weights in cache and to the
+// memory bandwidth from DRAM.
 // Not inlined: inlined into small_linear's loop over groups, GCC kept store8's rounding constants in two
-// vector registers across the k loop and spilled two accumulators to the stack instead (1.4x slower).
+// vector registers across the k loop and spilled two accumulators to the stack instead.
 template <typename T, int NC>
 __attribute__((noinline)) void linear_group(const float* x, const T* tiles, int64_t k, const float* bias, T* y,
                                             int64_t ldy, GroupPrefetch& pf) {
@@ -1057,9 +1050,8 @@ inline __m512i quad_pairs_index() {
 // apart) against NC tiles, four k at a time in BF16 dot products (VDPBF16PS: two exact products added into
 // a float32 lane per instruction), the weights' words reordered in registers so the tiles keep their layout.
 // Each output sums k = 0, 1 (mod 4) in one lane and k = 2, 3 in the next, added at the end: other bits
-// than the FMA chain, the same for a block alone as inside a batch. On a 2-core Zen 4 a VDPBF16PS retires
-// 4x the float32 FMA's flops (one thread: 460 against 113 GFLOP/s), and the FMA version of this loop ran at
-// half that FMA peak.
+// than the FMA chain, the same for a block alone as inside a batch. A VDPBF16PS retires four times the
+// flops of a float32 FMA on such CPUs (Zen 4), where an FMA version of this loop is bound by FMA throughput.
 template <int NC>
 __attribute__((noinline)) void linear_group_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tiles,
                                                  int64_t k, const float* bias, c10::BFloat16* y, int64_t ldy,
@@ -1113,8 +1105,8 @@ inline void for_row_blocks(int64_t rows, F&& f) {
 
 // x [rows, k] in float32, each block of kRowBlock rows interleaved (linear_tile's layout; the last block
 // may be shorter). Whole blocks go 8 columns at a time, a 4 x 8 transpose in registers: this runs on one
-// thread while the other waits. Scalar, 8 x 576 took 2.9 us and 8 x 1,536 7.5 us (now 0.8 and 2.2), so
-// 0.48 ms (now 0.14) of a batch-8 step's linears, measured in cache.
+// thread while the others wait, once per linear layer, so element by element it would be a visible share
+// of a batch-8 step's linears.
 template <typename T>
 std::unique_ptr<float[]> interleave_rows(const T* x, int64_t rows, int64_t k) {
   static_assert(kRowBlock == 4, "the transpose below interleaves 4 rows");
@@ -1210,7 +1202,7 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
 // ---- decode-sized linear layers from 4-bit affine codes (weights dequantized from GGUF Q4_1) ---------
 // A GGUF Q4_1 weight is d * q + m for a 4-bit code q and a float16 scale d and offset m per 32 inputs of
 // an output row; the loader computes that in float32 and rounds it to the model's dtype T. So 0.625
-// bytes describe each 16-bit weight exactly (``radixkv.model.coded`` checks every one when it builds the
+// bytes describe each 16-bit weight exactly (``radixkv.cpu.coded`` checks every one when it builds the
 // codes), and a decode step at batch 1, which streams every weight once and waits on memory, reads a
 // third of the bytes. coded_tile rebuilds each weight in a register the way the loader built it (d * q
 // is exact in float32, 11 by 4 significant bits, so a contracted multiply-add cannot change the sum) and
@@ -1226,8 +1218,8 @@ void small_linear_avx2(const T* x, const T* wt, const float* bias, T* y, int64_t
 // v rounded to T's precision (to nearest, ties to even), kept in float32. For bfloat16: with e = 2^exponent(v)
 // and c = 1.5 * 2^16 * e, v + c lies in c's binade, whose spacing 2^-7 e is bfloat16's at v, so the add
 // rounds v as bfloat16 would and subtracting c is exact (e * 1.5 * 2^16 is exact, so both fused forms
-// round once). Three operations where the integer round-to-nearest-even takes five; this CPU ran out of
-// vector ALU throughput, not memory, in coded_tile. Finite, normal v only: Q4Rows verifies every weight.
+// round once). Three operations where the integer round-to-nearest-even takes five: coded_tile is bound by
+// vector ALU throughput, not memory. Finite, normal v only: Q4Rows verifies every weight.
 inline __m256 as_stored(__m256 v, const c10::BFloat16*) {
   const __m256 e = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)));
   const __m256 k = _mm256_set1_ps(98304.f);  // 1.5 * 2^16
@@ -1630,9 +1622,9 @@ torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 }
 
 // ---- every layer of a pure-decode step in one call -------------------------------------------------
-// The Python layer loop (radixkv/model/llama.py with CpuKernelOps and small_linear weights) makes about
-// eleven calls a layer, each paying Python, pybind and module overhead: 2-3 ms of a 20 ms batch-1 step
-// here. DecodeStack makes the same kernel calls in the same order from C++, the residual adds fused
+// The Python layer loop (radixkv/cpu/fused.py's FusedLlama with small_linear weights) makes about eleven
+// calls a layer, each paying Python, pybind and module overhead, a large share of a batch-1 step.
+// DecodeStack makes the same kernel calls in the same order from C++, the residual adds fused
 // into the following RMSNorm (which rounds the sum where the eager add does), so its output is
 // bit-identical to the loop's: a CPU's counterpart of replaying a CUDA graph for decode.
 

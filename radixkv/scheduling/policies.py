@@ -1,4 +1,4 @@
-"""Cache-aware scheduling policies: in what order waiting requests are admitted.
+"""Cache-aware admission policies: in what order waiting requests are admitted.
 
 Shared by the simulator and the engine. A policy sees the waiting requests,
 each with the match the cache currently gives it, and returns them in the
@@ -37,15 +37,6 @@ from radixkv.cache.base import MatchResult
 from radixkv.cache.radix import RadixCache
 
 
-def causal_pairs(new_tokens: int, prefix_len: int) -> float:
-    """(query, key) pairs a chunk of ``new_tokens`` after ``prefix_len`` cached tokens attends:
-    query i sees ``prefix_len + i + 1`` keys, so ``n * (p + (n + 1) / 2)`` in all.
-
-    The simulator's cost model and the engine's step records both count attention work with it.
-    """
-    return new_tokens * (prefix_len + (new_tokens + 1) / 2)
-
-
 @dataclass
 class Candidate:
     """A waiting request as a policy sees it.
@@ -62,11 +53,12 @@ class Candidate:
 
 
 class SchedulePolicy(Protocol):
-    """``needs_match``: the caller fills each candidate's ``match``. ``sees_in_flight`` (optional, default
-    False): ``order`` also takes ``in_flight``, the running requests whose prompts are not all computed yet."""
+    """``needs_match``: the caller fills each candidate's ``match``. ``sees_in_flight``: ``order`` also takes
+    ``in_flight``, the running requests whose prompts are not all computed yet."""
 
     name: str
     needs_match: bool
+    sees_in_flight: bool
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]: ...
 
@@ -74,7 +66,7 @@ class SchedulePolicy(Protocol):
 class FCFS:
     """Arrival order. O(n log n)."""
 
-    name, needs_match = "fcfs", False
+    name, needs_match, sees_in_flight = "fcfs", False, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         return sorted(waiting, key=lambda c: c.order)
@@ -83,7 +75,7 @@ class FCFS:
 class LongestPrefixMatch:
     """Longest cached prefix first, ties by arrival. O(n log n)."""
 
-    name, needs_match = "lpm", True
+    name, needs_match, sees_in_flight = "lpm", True, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         return sorted(waiting, key=lambda c: (-c.match.length, c.order))
@@ -96,7 +88,7 @@ class DFSWeight:
     caches it falls back to longest-prefix order, which it equals on a chain.
     """
 
-    name, needs_match = "dfs-weight", True
+    name, needs_match, sees_in_flight = "dfs-weight", True, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         if not waiting or not all(hasattr(c.match.node, "parent") for c in waiting):
@@ -137,7 +129,7 @@ class DFSWeight:
 class RandomOrder:
     """A seeded random permutation. O(n)."""
 
-    name, needs_match = "random", False
+    name, needs_match, sees_in_flight = "random", False, False
 
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
@@ -203,7 +195,7 @@ def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
                     in_flight: Sequence[Candidate] = ()) -> list[Candidate]:
     """``policy.order(waiting)``, passing ``in_flight`` (the running prefills) to a policy that ``sees_in_flight``:
     the one call the engine and the simulator make, so they rank alike."""
-    if getattr(policy, "sees_in_flight", False):
+    if policy.sees_in_flight:
         return policy.order(waiting, in_flight)
     return policy.order(waiting)
 

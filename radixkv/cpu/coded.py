@@ -61,7 +61,7 @@ def q4_1_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every Q4_1 tensor of a GGUF file by name, as its blocks ``[rows, in / 32, 20]`` uint8 (a read-only map).
 
     Reads the file's header and tensor table only: ``gguf.GGUFReader`` also
-    builds every metadata field, about 9 s for SmolLM2's 49,152-entry
+    builds every metadata field, seconds for SmolLM2's 49,152-entry
     vocabulary, where this takes milliseconds.
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

@@ -1,0 +1,42 @@
+"""``make_cache``: every prefix cache by name, the one factory the engine, the simulator and the experiments use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixkv.cache.base import PrefixCache
+from radixkv.cache.belady import BeladyRadixCache, FutureUses
+from radixkv.cache.hash_block import HashBlockCache
+from radixkv.cache.none import NoPrefixCache
+from radixkv.cache.radix import RadixCache
+
+CACHES = ("radix", "hash", "none")
+
+
+def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_policy: str = "lru",
+               **options: Any) -> PrefixCache:
+    """A prefix cache by name: ``radix`` (``RadixCache(page_size, eviction_policy)``), ``hash``
+    (``HashBlockCache(block_size, eviction_policy)``) or ``none`` (``NoPrefixCache``, which takes nothing).
+
+    ``page_size`` is the radix tree's granularity (tokens per KV page it matches in) and ``block_size`` the
+    hash cache's (tokens per hashed block); each cache reads its own. ``eviction_policy="belady"`` is the
+    clairvoyant reference, radix only, and needs ``future=FutureUses(...)`` (what the simulator knows of the
+    arrivals). Unknown names, options and policies raise ``ValueError``.
+    """
+    if name not in CACHES:
+        raise ValueError(f"unknown cache {name!r}; choose one of {list(CACHES)}")
+    future = options.pop("future", None)
+    if options:
+        raise ValueError(f"make_cache({name!r}) takes no options {sorted(options)}")
+    if eviction_policy == "belady":
+        if name != "radix" or not isinstance(future, FutureUses):
+            raise ValueError("eviction_policy='belady' is implemented for the radix cache only, and needs "
+                             "future=FutureUses(...) (the requests' future uses)")
+        return BeladyRadixCache(future, page_size=page_size)
+    if future is not None:
+        raise ValueError("future= applies to eviction_policy='belady' only")
+    if name == "radix":
+        return RadixCache(page_size=page_size, eviction_policy=eviction_policy)
+    if name == "hash":
+        return HashBlockCache(block_size=block_size, eviction_policy=eviction_policy)
+    return NoPrefixCache()

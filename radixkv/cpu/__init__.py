@@ -1,0 +1,55 @@
+"""Everything that exists only to make a CPU serve fast, behind one call: ``accelerate``.
+
+* ``kernels``: the compiled kernels (``cpu_kernels.cpp``: paged attention,
+  fused layer steps, decode-sized linear layers, ``DecodeStack``), built on
+  first use for this machine's CPU.
+* ``paged_attention``: the ``cpu`` attention backend (``CpuPagedBackend``),
+  which reads K/V in place from the pool through those kernels.
+* ``fused``: ``FusedLlama``, the model's forward with the kernels' RMSNorm,
+  RoPE + KV store and SwiGLU, and pure-decode steps in one call.
+* ``linear``: ``pack_linears`` and ``PackedLinear``, 16-bit linear layers in
+  oneDNN's packed layout, with decode-sized tiles and exact 4-bit codes
+  (``coded``) for the kernels.
+* ``hugepages``: the KV pool and the weight tiles in 2 MiB pages.
+
+None of it changes what the model computes beyond summation order.
+``radixkv.model.forward.build_forward`` calls ``accelerate`` only on a CPU,
+for a 16-bit model with ``attention_backend="auto"`` or any model with
+``"cpu"`` (float32 with ``auto`` stays on the plain path, the oracle); every
+other configuration imports nothing from this package.
+"""
+
+from __future__ import annotations
+
+from radixkv.attention import AttentionBackend, make_backend
+from radixkv.cpu import hugepages
+from radixkv.cpu.fused import FusedLlama
+from radixkv.cpu.linear import pack_linears
+from radixkv.cpu.paged_attention import CpuPagedBackend
+from radixkv.kv_pool import KVPool
+from radixkv.model.llama import LlamaForCausalLM
+
+
+def accelerate(model: LlamaForCausalLM, pool: KVPool,
+               attention_backend: str = "auto") -> tuple[FusedLlama | LlamaForCausalLM, AttentionBackend]:
+    """Serve ``model`` over ``pool`` as fast as this CPU allows: the forward to call and the attention backend.
+
+    Packs the model's linear layers in place (``pack_linears``), moves the
+    pool into huge pages (``KVPool.reallocate``, keeping its contents), and
+    builds ``attention_backend`` (``make_backend``: ``auto`` picks ``cpu``
+    where the kernels build, else ``torch-cascade``). With the ``cpu``
+    backend the forward is ``FusedLlama``; with any other it is the model.
+    Call it before serving: views of the pool taken earlier go stale.
+    """
+    pack_linears(model)
+    pool.reallocate(hugepages.zeros)
+    backend = make_backend(attention_backend, pool, model.config.num_heads)
+    return fused_forward(model, backend), backend
+
+
+def fused_forward(model: LlamaForCausalLM, backend: AttentionBackend) -> FusedLlama | LlamaForCausalLM:
+    """``FusedLlama`` over ``model`` for the ``cpu`` backend (whose kernels it runs with); else ``model``."""
+    return FusedLlama(model, backend) if isinstance(backend, CpuPagedBackend) else model
+
+
+__all__ = ["CpuPagedBackend", "FusedLlama", "accelerate", "fused_forward", "hugepages", "pack_linears"]

@@ -1,0 +1,207 @@
+"""16-bit linear layers as a CPU serves them fastest: oneDNN's packed layout, decode-sized tiles, exact 4-bit codes.
+
+``pack_linears`` replaces a model's ``nn.Linear`` modules by ``PackedLinear``
+ones in place (the same outputs up to the rounding of a 16-bit GEMM that
+accumulates in float32); ``radixkv.cpu.accelerate`` calls it for a 16-bit
+model on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixkv.cpu import hugepages
+from radixkv.cpu.coded import CodedTiles, q4_rows
+from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
+from radixkv.timing import interleaved
+
+SMALL_DTYPES = (torch.bfloat16, torch.float16)  # the weight dtypes small_linear's tiles hold
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight oneDNN has reordered into its blocked CPU layout once, at load time.
+
+    The blocked layout multiplies decode-sized batches faster than the plain
+    one, with bit-identical outputs. With ``compute_dtype=torch.float32`` a
+    16-bit layer keeps its 16-bit interface but multiplies in float32: the
+    weight is upcast once (exactly) and each call computes
+    ``round16(float32(x) @ W.T + b)``, the arithmetic of a 16-bit GEMM that
+    accumulates in float32, for CPUs without 16-bit matrix instructions,
+    where oneDNN and MKL emulate 16-bit GEMMs several times slower than
+    float32 ones.
+    Decode batches (at most ``small_rows`` tokens) of a 16-bit layer go
+    through ``small_kernels.small_linear`` instead when given (the compiled
+    AVX2 kernel reading the 16-bit weights, repacked into ``tiles``
+    ``[out / 8, in, 8]``, accumulating in float32), whichever dtype oneDNN
+    multiplies larger batches in: where it upcasts, a float32 copy would
+    double what each decode step streams and its float32 GEMM is far from
+    peak at 1-8 rows; where it multiplies bfloat16 natively, its GEMM is
+    slower still at decode sizes than these tiles (docs/experiments.md).
+    Where the weights were dequantized from a GGUF Q4_1 file, ``coded``
+    holds their exact 4-bit codes (``radixkv.cpu.coded``, set by
+    ``pack_linears``), which ``small_kernels.coded_linear`` multiplies for
+    batches of at most ``coded_rows`` tokens: the same outputs, bit for bit,
+    from 0.625 bytes a weight instead of 2.
+    The packed weight is opaque: it cannot be moved, cast or saved, so
+    packing is the last step before serving (``pack_linears``).
+    """
+
+    # The most rows coded_linear may serve: rebuilding each weight from its code costs vector ALU
+    # throughput that more rows need for their own FMAs, so past 2 rows the 16-bit tiles win on the CPUs
+    # measured (docs/experiments.md), and on some (a Zen 1) even 1 row does not pay: ``pack_linears``
+    # measures how many of these rows pay on the CPU at hand (``measure_coded_rows``).
+    CODED_ROWS = 2
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 8, compute_dtype: torch.dtype | None = None,
+                 small_kernels: ModuleType | None = None, small_rows: int = 16):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
+        self.small_kernels, self.small_rows, self.tiles, self.small_bias = None, small_rows, None, None
+        self.coded: CodedTiles | None = None
+        self.coded_rows = self.CODED_ROWS
+        if small_kernels is not None and self.dtype in SMALL_DTYPES and self.out_features % 8 == 0:
+            self.small_kernels = small_kernels
+            self.small_bias = None if linear.bias is None else linear.bias.detach().float()
+            n, k = weight.shape
+            self.tiles = weight.view(n // 8, 8, k).transpose(1, 2).contiguous()  # [out / 8, in, 8]
+
+    def weight(self) -> torch.Tensor | None:
+        """The 16-bit weight ``[out, in]`` rebuilt from ``tiles`` (None without tiles)."""
+        return None if self.tiles is None else self.tiles.transpose(1, 2).reshape(self.out_features, -1)
+
+    def small_linear_args(self) -> dict[str, Any]:
+        """Keyword arguments of the kernels' ``TiledLinear`` for this layer (it must have tiles)."""
+        c = self.coded
+        return {"tiles": self.tiles, "bias": self.small_bias, "codes": c and c.codes, "scale": c and c.scale,
+                "offset": c and c.offset, "coded_rows": self.coded_rows}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features], both in the layer's dtype
+        if self.small_kernels is not None and x.shape[0] <= self.small_rows:
+            if self.coded is not None and x.shape[0] <= self.coded_rows:
+                c = self.coded
+                return self.small_kernels.coded_linear(x, c.codes, c.scale, c.offset, self.small_bias)
+            return self.small_kernels.small_linear(x, self.tiles, self.small_bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
+        return y.to(self.dtype)
+
+
+def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``pack_linears`` multiplies ``model``'s weights in on this CPU, or None where it leaves them.
+
+    16-bit weights multiply in their own dtype where oneDNN supports it (AVX-512
+    BF16 / FP16, AMX) and in float32 elsewhere; float32 weights are left as
+    they are (the exact oracle), as are weights on other devices.
+    """
+    p = next(model.parameters())
+    mkldnn = torch.ops.mkldnn
+    if p.device.type != "cpu" or p.dtype == torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")):
+        return None
+    native = {torch.bfloat16: mkldnn._is_mkldnn_bf16_supported, torch.float16: mkldnn._is_mkldnn_fp16_supported}
+    if p.dtype not in native:
+        return None
+    return p.dtype if native[p.dtype]() else torch.float32
+
+
+def pack_linears(model: nn.Module, coded_rows: int | None = None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` computing in ``linear_compute_dtype``.
+
+    Where the layers get ``small_linear`` tiles and ``model.gguf_file`` names
+    the GGUF file the weights were dequantized from, every layer whose weights
+    its Q4_1 codes rebuild exactly also gets them (``PackedLinear.coded``),
+    used for batches of at most ``coded_rows`` tokens (0 to
+    ``PackedLinear.CODED_ROWS``); None measures that number on this CPU
+    (``measure_coded_rows``, a fraction of a second for SmolLM2). Either
+    way the outputs are the same bits.
+    Returns how many were replaced (0 where that dtype is None).
+    """
+    if coded_rows is not None and (isinstance(coded_rows, bool) or not isinstance(coded_rows, int)
+                                   or not 0 <= coded_rows <= PackedLinear.CODED_ROWS):
+        raise ValueError(f"coded_rows must be None or an int in [0, {PackedLinear.CODED_ROWS}], got {coded_rows!r}")
+    compute = linear_compute_dtype(model)
+    if compute is None:
+        return 0
+    small = None
+    if cpu_kernels_unavailable_reason() is None:
+        kernels = load_cpu_kernels()
+        small = kernels if kernels.has_avx2() else None
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child, compute_dtype=compute, small_kernels=small))
+    source = getattr(model, "gguf_file", None)
+    if small is not None and source is not None:
+        try:
+            rows = q4_rows(source, next(model.parameters()).dtype)
+        except (OSError, ValueError, KeyError, struct.error):  # the codes only save time: serve without them
+            rows = None
+        for parent, name, _ in targets if rows is not None else ():
+            packed = getattr(parent, name)
+            weight = packed.weight()  # None where the layer has no tiles (out_features % 8 != 0)
+            packed.coded = None if weight is None else rows.tiles(weight)
+    _tiles_to_huge_pages([getattr(parent, name) for parent, name, _ in targets])
+    coded = [m for parent, name, _ in targets if (m := getattr(parent, name)).coded is not None]
+    chosen = measure_coded_rows(coded) if coded_rows is None else coded_rows
+    for m in coded:
+        m.coded_rows = chosen
+    return len(targets)
+
+
+def measure_coded_rows(layers: list[PackedLinear], rounds: int = 5) -> int:
+    """How many rows (0 to ``PackedLinear.CODED_ROWS``) ``coded_linear`` multiplies faster than ``small_linear``.
+
+    Both give the same bits at these row counts, so only time is at stake,
+    and which one wins depends on the CPU (``PackedLinear.CODED_ROWS``). For
+    1, 2, ... rows, every layer of ``layers`` (which have codes) is timed
+    both ways, in turns, ``rounds`` times each; the first row count at which
+    the codes do not win ends the search. Costs ``2 * (rounds + 1)`` passes
+    over the layers' weights per row count tried (a warm-up each way).
+    """
+    if not layers:
+        return 0
+    kernels = layers[0].small_kernels
+
+    def run(x: dict[int, torch.Tensor], codes: bool) -> None:
+        for m in layers:
+            c, xm = m.coded, x[m.in_features]
+            if codes:
+                kernels.coded_linear(xm, c.codes, c.scale, c.offset, m.small_bias)
+            else:
+                kernels.small_linear(xm, m.tiles, m.small_bias)
+
+    for rows in range(1, PackedLinear.CODED_ROWS + 1):
+        x = {m.in_features: torch.ones(rows, m.in_features, dtype=m.dtype) for m in layers}  # values do not matter
+        coded, tiles = functools.partial(run, x, True), functools.partial(run, x, False)
+        times = interleaved({"coded": coded, "tiles": tiles}, rounds=rounds, per_round=1)
+        if times["coded"] >= times["tiles"]:
+            return rows - 1
+    return PackedLinear.CODED_ROWS
+
+
+def _tiles_to_huge_pages(layers: list[PackedLinear]) -> None:
+    """Move the decode kernels' tiles and codes of ``layers`` into one huge-page buffer (``hugepages.pack``).
+
+    A decode step streams all of them; in 4 KiB pages the loads wait on page walks.
+    """
+    tiled = [m for m in layers if m.tiles is not None]
+    coded = [m for m in tiled if m.coded is not None]
+    moved = iter(hugepages.pack([m.tiles for m in tiled] +
+                                [t for m in coded for t in (m.coded.codes, m.coded.scale, m.coded.offset)]))
+    for m in tiled:
+        m.tiles = next(moved)
+    for m in coded:
+        m.coded = CodedTiles(next(moved), next(moved), next(moved))
+

@@ -1,0 +1,255 @@
+"""The scheduler core the engine and the simulator share: which requests run in a step, with how many tokens,
+and the cache and memory steps around it.
+
+One step (``Scheduler.schedule``): running requests first, in admission order, each its next prompt chunk
+(at most ``chunked_prefill_size`` tokens) or one decode token, under the step's ``max_batch_tokens``;
+then waiting requests in the policy's order (``admission_order``; arrival order for plain ``fcfs``), while
+tokens, ``max_running`` and KV memory last. Admission matches with the at-least-one-token rule
+(``match_for_prefill``) and locks the match; memory comes from the allocator, evicting unlocked cache
+entries when short. After the model (or the cost model) ran the step, ``commit`` advances every request
+and inserts each finished prefill chunk into the cache (``commit_prefix``: the request moves onto the
+cache's slots and lock); ``finish`` caches a finished request's sequence and unlocks it
+(``release_sequence``).
+
+Memory comes in one of two ways:
+
+* grown as needed (``whole_kv=None``, the engine's): a chunk's or a decode token's slots are allocated
+  when it is scheduled; a running request that cannot get them preempts the newest running request not
+  yet in the step (its KV freed, its cached prefix kept, back to the front of the queue to be recomputed),
+  or itself when there is none;
+* reserved whole at admission (``whole_kv`` gives a request's total KV tokens, which the simulator knows
+  from its output length): nothing is ever preempted.
+
+The owner keeps what only it knows in a subclass of ``RequestState`` (the engine: sampling state and
+tokens; the simulator: the clock), and ``RequestState.reset`` is where a preempted request forgets it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.base import PrefixCache, match_for_prefill
+from radixkv.cache.lifecycle import commit_prefix, release_sequence
+from radixkv.memory import SlotAllocator
+from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
+
+
+def causal_pairs(new_tokens: int, prefix_len: int) -> float:
+    """(query, key) pairs a chunk of ``new_tokens`` after ``prefix_len`` cached tokens attends:
+    query i sees ``prefix_len + i + 1`` keys, so ``n * (p + (n + 1) / 2)`` in all.
+
+    The simulator's cost model and the engine's step records both count attention work with it.
+    """
+    return new_tokens * (prefix_len + (new_tokens + 1) / 2)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request as the scheduler sees it.
+
+    ``slots`` hold the KV of its leading tokens: the first ``cached`` are the cache's own (locked through
+    ``node``), the rest its own. ``computed`` leading tokens have their KV in the pool. ``hit`` is how many
+    prompt tokens the cache held at its first admission (-1 before).
+    """
+
+    rid: int
+    prompt: Sequence[int]
+    namespace: Hashable = None
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    node: Any = None
+    cached: int = 0
+    computed: int = 0
+    hit: int = -1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    def reset(self) -> None:
+        """Back to not admitted (after a preemption or a failed admission); subclasses forget their own state."""
+        self.node, self.slots, self.cached, self.computed = None, np.zeros(0, dtype=np.int64), 0, 0
+
+
+Batch = list[tuple[RequestState, int]]  # each scheduled request and its new tokens this step
+
+
+class Scheduler:
+    """Waiting and running requests over one cache and one allocator; see the module docstring.
+
+    ``max_batch_tokens`` and ``chunked_prefill_size`` may be ``math.inf`` (no limit: a prompt is prefilled
+    whole when admitted). ``stats`` counts admissions (``prompt_tokens``, ``cached_tokens`` at a request's
+    first admission), ``evicted_tokens`` and ``evictions`` (times memory pressure evicted), ``preemptions``,
+    and the tokens ``commit`` advanced (``prefill_tokens``, ``decode_tokens``).
+    """
+
+    def __init__(self, cache: PrefixCache, allocator: SlotAllocator, policy: SchedulePolicy, *, max_running: int,
+                 max_batch_tokens: float = math.inf, chunked_prefill_size: float = math.inf,
+                 whole_kv: Callable[[RequestState], int] | None = None):
+        self.cache, self.allocator, self.policy = cache, allocator, policy
+        self.max_running, self.max_batch_tokens, self.chunk = max_running, max_batch_tokens, chunked_prefill_size
+        self.whole_kv = whole_kv
+        self.waiting: list[RequestState] = []
+        self.running: list[RequestState] = []
+        self.newly_admitted: list[RequestState] = []  # by the last ``schedule``
+        self.stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "prefill_tokens", "decode_tokens",
+                                    "evicted_tokens", "evictions", "preemptions"), 0)
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request (it waits behind the others)."""
+        self.waiting.append(state)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> Batch:
+        """The step's requests and their new tokens, memory allocated; see the module docstring."""
+        batch: Batch = []
+        budget = self.max_batch_tokens
+        self.newly_admitted = []
+        for s in list(self.running):
+            if s not in self.running:
+                continue  # preempted while making room for an earlier one
+            n = min(len(s.prompt) - s.computed, self.chunk, budget) if s.prefilling else 1
+            if n < 1 or n > budget:
+                continue  # the budget is spent: it runs next step
+            if self._grow(s, n, batch):
+                batch.append((s, n))
+                budget -= n
+        # Ranked only when something can be admitted: ranking costs a match per waiting request (and a
+        # draw of the random policy).
+        order = self._admission_order() if budget >= 1 and len(self.running) < self.max_running else ()
+        for s in order:
+            if budget < 1 or len(self.running) >= self.max_running:
+                break
+            n = self._admit(s, budget)
+            if not n:
+                break  # out of KV memory until a running request finishes
+            batch.append((s, n))
+            budget -= n
+        return batch
+
+    def commit(self, batch: Batch, decode_tokens: int = 1) -> None:
+        """After the step ran: every request advances by its tokens (a decode by ``decode_tokens``, for a
+        stride of decode-only steps), and each prefill chunk's KV joins the cache."""
+        for s, n in batch:
+            if s.prefilling:
+                s.computed += n
+                self.stats["prefill_tokens"] += n
+                s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, s.prompt[: s.computed],
+                                                          s.slots, s.cached, s.node, s.namespace)
+            else:
+                s.computed += decode_tokens
+                self.stats["decode_tokens"] += decode_tokens
+
+    def extend_decodes(self, states: Sequence[RequestState], tokens: int) -> bool:
+        """``tokens`` more KV slots for each decoding request, all or none, without evicting (a stride of
+        decode steps; reserved requests need none). Whether they were allocated."""
+        if self.whole_kv is not None or tokens < 1:
+            return True
+        ps = self.allocator.page_size
+        pages = sum(-(-max(0, tokens - self._room(s)) // ps) for s in states)
+        if pages * ps > self.allocator.num_free:
+            return False
+        for s in states:
+            self._extend(s, tokens)
+        return True
+
+    def finish(self, state: RequestState, sequence: Sequence[int]) -> None:
+        """A finished request: cache ``sequence`` (its tokens whose KV was computed), free the rest, unlock."""
+        release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
+                         state.node, state.namespace)
+        self.running.remove(state)
+
+    def withdraw(self, rids: set[int]) -> None:
+        """Drop the unfinished requests with these ids, freeing what they hold (their cached prefixes stay)."""
+        for s in [s for s in self.running if s.rid in rids]:
+            self._release(s)
+            self.running.remove(s)
+        self.waiting = [s for s in self.waiting if s.rid not in rids]
+
+    # ------------------------------------------------------------- admission
+    def _admission_order(self) -> list[RequestState]:
+        """The waiting requests in policy order, ranked once per step (each is matched again when admitted)."""
+        if not self.waiting:
+            return []
+        if self.policy.name == "fcfs":  # arrival order: the queue's own (a preempted request at its front)
+            return list(self.waiting)
+        cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
+                           if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
+        # the running prefills, whose chunks will cache what they share with waiting requests
+        in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
+                     if s.prefilling] if self.policy.sees_in_flight else []
+        return [c.request for c in admission_order(self.policy, cands, in_flight)]
+
+    def _admit(self, s: RequestState, budget: float) -> int:
+        """Match, lock and allocate ``s``'s first chunk (or its whole KV); its chunk's tokens, or 0 when memory
+        is short (nothing changed then but the eviction)."""
+        m = match_for_prefill(self.cache, s.prompt, s.namespace)  # again: earlier admissions may have evicted
+        self.cache.lock(m.node)
+        s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
+        n = int(min(len(s.prompt) - s.computed, self.chunk, budget))
+        if not self._allocate(s, n if self.whole_kv is None else self.whole_kv(s) - m.length):
+            self.cache.unlock(m.node)
+            s.reset()
+            return 0
+        self.waiting.remove(s)
+        self.running.append(s)
+        self.newly_admitted.append(s)
+        if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
+            s.hit = m.length
+            self.stats["prompt_tokens"] += len(s.prompt)
+            self.stats["cached_tokens"] += m.length
+        return n
+
+    # ---------------------------------------------------------------- memory
+    def _room(self, s: RequestState) -> int:
+        """Free slots left in the request's own last page (none on the cache's pages, which are whole)."""
+        return 0 if len(s.slots) <= s.cached else -len(s.slots) % self.allocator.page_size
+
+    def _extend(self, s: RequestState, n: int) -> None:
+        last = int(s.slots[-1]) if len(s.slots) > s.cached else None  # the cache's pages are whole: a fresh page
+        s.slots = np.concatenate([s.slots, self.allocator.extend(last, n)])
+
+    def _allocate(self, s: RequestState, n: int) -> bool:
+        """Give ``s`` n more slots, evicting unlocked cache when short; False if that is not enough.
+
+        The slots continue the request's last page, so its slots fill pages in order.
+        """
+        need = n - min(self._room(s), n)
+        if self.allocator.num_free < need:
+            freed = self.cache.evict(need - self.allocator.num_free)
+            self.allocator.free(freed)
+            self.stats["evicted_tokens"] += len(freed)
+            self.stats["evictions"] += bool(len(freed))
+        if self.allocator.num_free < need:
+            return False
+        self._extend(s, n)
+        return True
+
+    def _grow(self, s: RequestState, n: int, batch: Batch) -> bool:
+        """``n`` more slots for a running request (none when reserved whole), preempting the newest others
+        not in the batch if needed; False when ``s`` itself had to go."""
+        if self.whole_kv is not None:
+            return True
+        scheduled = {id(b[0]) for b in batch}
+        while not self._allocate(s, n):
+            victims = [v for v in self.running if v is not s and id(v) not in scheduled]
+            self.preempt(victims[-1] if victims else s)
+            if not victims:
+                return False
+        return True
+
+    def preempt(self, s: RequestState) -> None:
+        """Free a running request's own KV, keep its cached prefix, and queue it first to be recomputed."""
+        self._release(s)
+        self.running.remove(s)
+        self.waiting.insert(0, s)
+        self.stats["preemptions"] += 1
+
+    def _release(self, s: RequestState) -> None:
+        self.allocator.free(s.slots[s.cached :])
+        self.cache.unlock(s.node)
+        s.reset()

@@ -1,0 +1,17 @@
+"""Hypothesis profiles: ``fast`` by default (a quick local run), ``thorough`` under ``CI=true`` (what CI sets),
+with more examples and longer stateful runs. Where Hypothesis is not installed (the offline GPU check)
+nothing is registered: the GPU tests do not use it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("fast", max_examples=30, stateful_step_count=25, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("thorough", max_examples=200, stateful_step_count=50, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("thorough" if os.environ.get("CI") == "true" else "fast")
