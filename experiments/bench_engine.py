@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from experiments.common import environment, parser, run_cli, table, with_ext
-from experiments.multiturn import CACHES, run_cache, summarize
+from experiments.multiturn import CACHES as MULTITURN_CACHES
 from experiments.multiturn import parse_args as multiturn_args
+from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch
 from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
@@ -48,6 +49,8 @@ from radixkv.model import load_model
 from radixkv.model.forward import build_forward
 from radixkv.model.step import run_step
 from radixkv.timing import interleaved, seconds, timed
+
+CACHES = tuple(c for c in MULTITURN_CACHES if c != "hash-v0")  # the v0 baseline is hash_vs_radix's, not this bench's
 
 # vLLM 0.32 on CPU, SmolLM2-135M bf16, 2 threads (the engine issue, docs/experiments.md).
 VLLM = {"end_to_end_s": 5.8, "end_to_end_no_cache_s": 16.1, "prefill_ms_per_token_1024": 0.40,

@@ -2,6 +2,7 @@
 
 from radixkv.cache import (
     HashBlockCache,
+    HashV0Cache,
     LockError,
     MatchResult,
     NoPrefixCache,
@@ -39,6 +40,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "HashBlockCache",
+    "HashV0Cache",
     "KVPool",
     "LockError",
     "MatchResult",

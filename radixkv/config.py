@@ -92,8 +92,8 @@ class EngineConfig:
 
     @property
     def kv_page_size(self) -> int:
-        """Slots per KV page: the hash cache's block, else the radix page."""
-        return self.block_size if self.prefix_cache == "hash" else self.page_size
+        """Slots per KV page: the hash caches' block (``hash``, ``hash-v0``), else the radix page."""
+        return self.block_size if self.prefix_cache in ("hash", "hash-v0") else self.page_size
 
     def to_dict(self) -> dict:
         return asdict(self)

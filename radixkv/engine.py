@@ -74,7 +74,7 @@ class _Seq(RequestState):
 class LLM:
     """A prefix-caching LLM engine; see the module docstring.
 
-    ``LLM(model, prefix_cache="radix" | "hash" | "none", ...)`` takes the fields
+    ``LLM(model, prefix_cache="radix" | "hash" | "hash-v0" | "none", ...)`` takes the fields
     of ``EngineConfig``; ``enable_prefix_caching=False`` is vLLM's spelling of
     ``prefix_cache="none"``.
     """

@@ -353,7 +353,7 @@ def simulate(
     """Replay ``requests`` through one cache under one KV budget; see the module doc.
 
     Args:
-        cache: ``radix``, ``hash``, ``none`` or a ready ``PrefixCache`` object.
+        cache: ``radix``, ``hash``, ``hash-v0``, ``none`` or a ready ``PrefixCache`` object.
         capacity_tokens: the KV budget in tokens; None means unlimited.
         page_size / block_size: granularity of the radix tree / hash blocks (the allocator takes the cache's).
         eviction_policy: as the caches take it, or ``belady`` (radix only).

@@ -23,7 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv import HashBlockCache, OutOfSlotsError, RadixCache, SlotAllocator
+from radixkv import HashBlockCache, HashV0Cache, OutOfSlotsError, RadixCache, SlotAllocator
 
 ALPHABET = 4  # token ids 0..3: many shared prefixes, so splits happen a lot
 MAX_LEN = 12
@@ -287,3 +287,8 @@ TestHashBlock1FIFO = make_machine(lambda: HashBlockCache(block_size=1, eviction_
 TestHashBlock2Builtin = make_machine(
     lambda: HashBlockCache(block_size=2, hash_algo="builtin", eviction_policy="lru"), 2
 ).TestCase
+# vLLM v0's cache (whole-prefix hashes, LRU ties deepest first). Its evictor ignores the tree, but every
+# access through this protocol walks from the root, so a child is never more recent than its parent
+# and the deepest-first tie keeps eviction children-first here: the prefix-closed model holds.
+TestHashV0Block1 = make_machine(lambda: HashV0Cache(block_size=1), 1).TestCase
+TestHashV0Block2 = make_machine(lambda: HashV0Cache(block_size=2), 2).TestCase

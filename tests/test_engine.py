@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 def engine(cache="radix", page=1, chunk=1024, kv=4096, **kw):
-    block = max(page, 4) if cache == "hash" else 16
+    block = max(page, 4) if cache in ("hash", "hash-v0") else 16
     return LLM("tiny-random", prefix_cache=cache, page_size=page, block_size=block, kv_cache_tokens=kv,
                chunked_prefill_size=chunk, **kw)
 
@@ -31,7 +31,7 @@ def reference():
     return out
 
 
-@pytest.mark.parametrize("cache", ["radix", "hash", "none"])
+@pytest.mark.parametrize("cache", ["radix", "hash", "hash-v0", "none"])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("chunk,kv", [(1024, 4096), (7, 4096), (1024, 160), (7, 160)])
 def test_greedy_outputs_identical_everywhere_and_to_transformers(reference, cache, page, chunk, kv):

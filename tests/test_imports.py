@@ -25,7 +25,7 @@ def test_make_cache_is_the_one_factory():
     from radixkv.cache import CACHES
     from radixkv.config import PREFIX_CACHES
 
-    assert CACHES == PREFIX_CACHES == ("radix", "hash", "none")
+    assert CACHES == PREFIX_CACHES == ("radix", "hash", "hash-v0", "none")
     radix = make_cache("radix", page_size=4, eviction_policy="lfu")
     assert isinstance(radix, RadixCache) and radix.page_size == 4
     assert isinstance(make_cache("hash", block_size=8), HashBlockCache)

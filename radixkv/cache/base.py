@@ -37,7 +37,7 @@ class MatchResult(NamedTuple):
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    """The surface shared by ``RadixCache``, ``HashBlockCache`` and ``NoPrefixCache``."""
+    """The surface shared by ``RadixCache``, ``HashBlockCache``, ``HashV0Cache`` and ``NoPrefixCache``."""
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult: ...
 

@@ -7,19 +7,21 @@ from typing import Any
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.hash_block import HashBlockCache
+from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix import RadixCache
 
-CACHES = ("radix", "hash", "none")
+CACHES = ("radix", "hash", "hash-v0", "none")
 
 
 def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_policy: str = "lru",
                **options: Any) -> PrefixCache:
     """A prefix cache by name: ``radix`` (``RadixCache(page_size, eviction_policy)``), ``hash``
-    (``HashBlockCache(block_size, eviction_policy)``) or ``none`` (``NoPrefixCache``, which takes nothing).
+    (``HashBlockCache(block_size, eviction_policy)``), ``hash-v0`` (``HashV0Cache(block_size)``, vLLM v0's APC,
+    whose only policy is ``lru``: v0's evictor) or ``none`` (``NoPrefixCache``, which takes nothing).
 
     ``page_size`` is the radix tree's granularity (tokens per KV page it matches in) and ``block_size`` the
-    hash cache's (tokens per hashed block); each cache reads its own. ``eviction_policy="belady"`` is the
+    hash caches' (tokens per hashed block); each cache reads its own. ``eviction_policy="belady"`` is the
     clairvoyant reference, radix only, and needs ``future=FutureUses(...)`` (what the simulator knows of the
     arrivals). Unknown names, options and policies raise ``ValueError``.
     """
@@ -39,4 +41,6 @@ def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_
         return RadixCache(page_size=page_size, eviction_policy=eviction_policy)
     if name == "hash":
         return HashBlockCache(block_size=block_size, eviction_policy=eviction_policy)
+    if name == "hash-v0":
+        return HashV0Cache(block_size=block_size, eviction_policy=eviction_policy)
     return NoPrefixCache()

@@ -1,0 +1,393 @@
+"""vLLM v0's Automatic Prefix Caching (``BlockSpaceManagerV1``, vLLM 0.4-0.5), behind the ``PrefixCache`` contract.
+
+The ancestor of :class:`~radixkv.cache.hash_block.HashBlockCache` (v1), kept
+to pin down how the two differ:
+
+* **Whole-prefix hashes.** Block i's identity is v0's ``hash_of_block``:
+  ``hash((tuple(tokens[:(i + 1) * block_size]), namespace))``, Python's
+  built-in hash of the request's *whole* token prefix up to the end of the
+  block (the namespace stands in for v0's LoRA id). Nothing is chained or
+  remembered: every lookup and insert hashes each full block's prefix from
+  token 0, O(prefix length) per block, so a request of L tokens costs
+  O(L^2 / block_size) hashed tokens (``stats()["hashed_tokens"]`` counts
+  them). The flat ``hash -> block`` table still acts as a prefix tree, a key
+  naming the path from the root.
+* **Collisions are trusted.** The hash is 64 bits and, as in v0, a lookup
+  never compares tokens: two prefixes with the same hash would share a block,
+  and the second request would silently attend to the first one's KV (wrong
+  outputs, no error). ``check_invariants`` only checks that each block's key
+  is the hash of the prefix it stored.
+* Only full blocks are cached; a partial last block stays with the request.
+* **v0's evictor.** Among unlocked blocks (v0's ``ref_count == 0``) the least
+  recently accessed leaves first, ties to the block with the most hashed
+  tokens (the deepest). It never looks at the tree, so it can evict a parent
+  before its child: the child stays in the table (and in ``total_size``) but
+  can never be matched again, since a match walks from the first block and
+  stops at the missing parent, until a later insert of the same prefix
+  revives it. v1 never strands a block that way (children first). With the
+  access stamps below a child is never more recent than its parent (every
+  access walks from the root), so through this API the stranding needs
+  stamps set by hand; the evictor's rule is kept as v0 had it.
+* **Access stamps.** A logical clock ticks once per operation; ``match_prefix``
+  stamps the blocks it hits, ``insert`` every block it covers, ``unlock`` every
+  block of the handle (v0 stamps a running sequence's blocks each step).
+* **Dedup on promotion.** v0 gives a block that fills during decode its real
+  hash and, if that hash is cached already, frees the sequence's copy and uses
+  the cached block. Here the engine inserts computed prefixes with ``insert``
+  (``commit_prefix``/``release_sequence``), which returns how many leading
+  tokens were cached already: the caller frees its copies of those. A new
+  block whose hash is in the table past that leading run (a stranded child)
+  keeps the cached block, as v0's ``allocate(hash)`` does; the caller's copy
+  goes to a pile of spare slots that ``evict`` hands back first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class V0Block:
+    """One cached block. ``prefix`` is the whole token prefix it was hashed from (v0 hashes it, so it is kept)."""
+
+    __slots__ = ("key", "parent_key", "namespace", "prefix", "slots", "lock_count", "own_lock_count",
+                 "last_access", "hit_count", "stamp", "cached")
+
+    def __init__(self, key: int, parent_key: int | None, namespace: Hashable, prefix: tuple, slots: np.ndarray,
+                 now: int):
+        self.key, self.parent_key, self.namespace, self.prefix, self.slots = key, parent_key, namespace, prefix, slots
+        self.lock_count = self.own_lock_count = self.hit_count = 0
+        self.last_access = now
+        self.stamp = -1
+        self.cached = True
+
+    @property
+    def num_hashed_tokens(self) -> int:
+        """v0's ``num_hashed_tokens``: the length of the prefix the key hashes (the block's depth x block size)."""
+        return len(self.prefix)
+
+    def __repr__(self) -> str:
+        return f"V0Block(hashed={len(self.prefix)}, lock={self.lock_count}, last_access={self.last_access})"
+
+
+class V0Chain(NamedTuple):
+    """Handle returned by ``match_prefix``: the matched blocks, first to last, and the cache that made it."""
+
+    blocks: tuple
+    owner: Any = None
+
+
+class HashV0Cache:
+    """Prefix cache of full blocks keyed by hashes of whole prefixes, with v0's LRU evictor.
+
+    Args:
+        block_size: tokens per block; only full blocks are cached.
+        eviction_policy: ``lru`` only (v0's evictor: least recently accessed, ties deepest first).
+
+    Costs (L = query tokens, b = L // block_size, n = cached blocks): ``match_prefix``
+    O(L x hit blocks) hashing; ``insert`` O(L^2 / block_size) hashing plus
+    O(b log n); ``lock`` O(blocks in the handle); ``unlock`` O(blocks x log n);
+    ``evict`` O(k log n) amortized for k blocks.
+
+    >>> cache = HashV0Cache(block_size=4)
+    >>> cache.insert(list(range(10)), list(range(100, 110)))   # 2 full blocks
+    0
+    >>> cache.match_prefix(list(range(8)) + [99] * 6).length, cache.total_size
+    (8, 8)
+    >>> cache.stats()["hashed_tokens"]            # whole prefixes: insert 4 + 8, match 4 + 8 + 12 (a miss)
+    36
+    """
+
+    def __init__(self, block_size: int = 16, eviction_policy: str = "lru"):
+        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if eviction_policy != "lru":
+            raise ValueError(f"HashV0Cache has only v0's evictor, eviction_policy='lru'; got {eviction_policy!r}")
+        self.block_size = int(block_size)
+        self.eviction_policy = eviction_policy
+        self.hash_algo = "builtin"
+        self.reset()
+
+    @property
+    def page_size(self) -> int:
+        """Slots per KV page (what callers generic over caches read): one block fills a page, so ``block_size``."""
+        return self.block_size
+
+    def reset(self) -> None:
+        """Drop every block and spare slot (old handles can no longer be locked); counters at zero. O(blocks)."""
+        for block in getattr(self, "_blocks", {}).values():
+            block.cached = False
+            block.lock_count = block.own_lock_count = 0
+        self._blocks: dict[int, V0Block] = {}
+        self._spare: list[np.ndarray] = []  # callers' copies of blocks the table already held (see insert)
+        self._spare_tokens = 0
+        self._heap: list[tuple[int, int, int, V0Block]] = []  # (last_access, -hashed tokens, seq, block), lazy
+        self._seq = 0
+        self._unlocked = 0
+        self._protected_blocks = 0
+        self._clock = 0
+        self._queried_tokens = self._hit_tokens = self._hashed_tokens = 0
+        self.root = V0Chain((), self)
+
+    # ------------------------------------------------------------- sizes
+    @property
+    def total_size(self) -> int:
+        """Tokens held: cached blocks (stranded ones included) plus spare slots awaiting ``evict``."""
+        return len(self._blocks) * self.block_size + self._spare_tokens
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in blocks with a positive lock count."""
+        return self._protected_blocks * self.block_size
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens ``evict`` could free now: every unlocked block and the spare slots."""
+        return self.total_size - self.protected_size
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def stats(self) -> dict[str, float]:
+        """Token-weighted lookup statistics and the tokens hashed since construction or ``reset``."""
+        q, h = self._queried_tokens, self._hit_tokens
+        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0,
+                "hashed_tokens": self._hashed_tokens}
+
+    def hash_of_block(self, tokens: list[int], index: int, namespace: Hashable = None) -> tuple[int, tuple]:
+        """v0's ``hash_of_block``: ``(hash((prefix, namespace)), prefix)`` with prefix = the tokens up to the
+        end of block ``index``. O((index + 1) x block_size), counted in ``stats()["hashed_tokens"]``."""
+        prefix = tuple(tokens[: (index + 1) * self.block_size])
+        self._hashed_tokens += len(prefix)
+        return hash((prefix, namespace)), prefix
+
+    # ------------------------------------------------------------- public
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+        """Hash block after block from the first; stop at the first hash not in the table.
+
+        Hit blocks get the access stamp and a hit. O(L x (hit blocks + 1)) hashed tokens.
+        """
+        arr = as_token_array(tokens)
+        self._queried_tokens += len(arr)
+        self._clock += 1
+        toks, hit = arr.tolist(), []
+        for i in range(len(toks) // self.block_size):
+            block = self._blocks.get(self.hash_of_block(toks, i, namespace)[0])
+            if block is None:
+                break
+            block.hit_count += 1
+            hit.append(block)
+        if not hit:
+            return MatchResult(0, _EMPTY.copy(), self.root)
+        self._touch(hit)
+        length = len(hit) * self.block_size
+        self._hit_tokens += length
+        return MatchResult(length, np.concatenate([b.slots for b in hit]), V0Chain(tuple(hit), self))
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+        """Cache every full block of ``tokens``; return how many leading tokens were cached already.
+
+        Never overwrites: the caller frees ``indices[k:returned]`` (k = what it
+        matched) as duplicates, and the cache takes the slots of the blocks
+        after that. A later block whose hash is already in the table (a
+        stranded child) stays as it is, and the caller's copy of it joins the
+        spare slots ``evict`` returns first. Every covered block is stamped.
+        O(L^2 / block_size) hashed tokens + O(blocks log n).
+        """
+        arr, idx = as_token_array(tokens), as_token_array(indices)
+        if len(idx) != len(arr):
+            raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
+        self._clock += 1
+        bs, toks = self.block_size, arr.tolist()
+        covered, leading, parent_key = [], None, None
+        for i in range(len(toks) // bs):
+            key, prefix = self.hash_of_block(toks, i, namespace)
+            block = self._blocks.get(key)
+            if block is None:
+                if leading is None:
+                    leading = i
+                block = V0Block(key, parent_key, namespace, prefix, idx[i * bs : (i + 1) * bs].copy(), self._clock)
+                self._blocks[key] = block
+                self._unlocked += 1
+            elif leading is not None:  # cached past a missing block: keep it, the caller's copy is spare
+                self._spare.append(idx[i * bs : (i + 1) * bs].copy())
+                self._spare_tokens += bs
+            covered.append(block)
+            parent_key = key
+        self._touch(covered)
+        return (len(covered) if leading is None else leading) * bs
+
+    def lock(self, node: V0Chain) -> None:
+        """Take one lock on every block of the handle (v0's ``ref_count``). O(blocks in the handle).
+
+        The last block also counts the handle's own locks, so ``unlock`` can
+        refuse a handle that was never locked itself. Raises ``LockError`` for a
+        handle from another cache or one of whose blocks is no longer cached.
+        """
+        self._check_owner(node)
+        blocks = node.blocks
+        if not all(block.cached for block in blocks):
+            raise LockError("cannot lock a handle one of whose blocks was evicted")
+        for block in blocks:
+            if not block.lock_count:
+                self._protected_blocks += 1
+                self._unlocked -= 1
+            block.lock_count += 1
+        if blocks:
+            blocks[-1].own_lock_count += 1
+
+    def unlock(self, node: V0Chain) -> None:
+        """Release one lock of every block of the handle and stamp them all; changes nothing on ``LockError``.
+
+        Raises ``LockError`` for a handle from another cache, a block whose
+        count is already 0 (which includes every block from before ``reset``),
+        or a handle that holds no lock of its own. O(blocks x log n).
+        """
+        self._check_owner(node)
+        blocks = node.blocks
+        bad = next((b for b in blocks if not b.lock_count), None)
+        if bad is not None:
+            raise LockError(f"unlock of {bad!r} whose lock count is already 0 (or no longer cached)")
+        if blocks and not blocks[-1].own_lock_count:
+            raise LockError(f"unlock of a handle ending at {blocks[-1]!r}, which holds no lock of its own")
+        if blocks:
+            blocks[-1].own_lock_count -= 1
+        for block in blocks:
+            block.lock_count -= 1
+            if not block.lock_count:
+                self._protected_blocks -= 1
+                self._unlocked += 1
+        self._clock += 1
+        self._touch(blocks)
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """Free spare slots, then unlocked blocks in v0's order, until ``num_tokens`` are freed or none is left.
+
+        v0's order: least recently accessed first, ties to the most hashed
+        tokens. A parent may leave before its child (see the module docs).
+        Returns the freed slots; the caller gives them back. O(k log n) amortized.
+        """
+        freed, count = [], 0
+        while self._spare and count < num_tokens:
+            slots = self._spare.pop()
+            self._spare_tokens -= len(slots)
+            freed.append(slots)
+            count += len(slots)
+        while count < num_tokens and self._heap:
+            _, _, seq, block = heapq.heappop(self._heap)
+            if not self._live(seq, block):
+                continue
+            block.cached = False
+            del self._blocks[block.key]
+            self._unlocked -= 1
+            freed.append(block.slots)
+            count += self.block_size
+        return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (full blocks)."""
+        return num_tokens - num_tokens % self.block_size
+
+    # ------------------------------------------------------------- internals
+    def _check_owner(self, node: Any) -> None:
+        if not isinstance(node, V0Chain) or node.owner is not self:
+            raise LockError(f"{node!r} is not a handle of this HashV0Cache")
+
+    def _live(self, seq: int, block: V0Block) -> bool:
+        """Whether a heap entry is the block's current one and the block may leave. O(1)."""
+        return block.cached and block.stamp == seq and not block.lock_count
+
+    def _touch(self, blocks: list | tuple) -> None:
+        """Stamp ``blocks`` with the clock and re-rank the unlocked ones. O(blocks x log n)."""
+        now = self._clock
+        for block in blocks:
+            block.last_access = now
+            if not block.lock_count:
+                self._seq += 1
+                block.stamp = self._seq
+                heapq.heappush(self._heap, (now, -len(block.prefix), self._seq, block))
+        if len(self._heap) > 2 * self._unlocked + 64:
+            self._heap = [e for e in self._heap if self._live(e[2], e[3])]
+            heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------- inspection
+    def check_invariants(self) -> None:
+        """Verify every invariant; raise ``AssertionError`` naming the broken one. O(cached prefix tokens + heap)."""
+
+        def require(ok: bool, name: str, detail: object = "") -> None:
+            if not ok:
+                raise AssertionError(f"HashV0Cache invariant '{name}' broken: {detail!r}")
+
+        bs, locked, through = self.block_size, 0, {}
+        for key, block in self._blocks.items():
+            require(block.key == key and block.cached, "table keys match their blocks", block)
+            require(len(block.slots) == bs and block.slots.dtype == np.int64, "blocks are full int64 slots", block)
+            require(len(block.prefix) % bs == 0 and block.prefix, "prefixes end at a block boundary", block)
+            require(hash((block.prefix, block.namespace)) == key, "key = hash((whole prefix, namespace))", block)
+            parent = None if len(block.prefix) == bs else hash((block.prefix[:-bs], block.namespace))
+            require(block.parent_key == parent, "parent key = hash of the prefix one block shorter", block)
+            require(block.lock_count >= 0 and block.own_lock_count >= 0, "lock counts >= 0", block)
+            locked += block.lock_count > 0
+            node, locks = block, block.own_lock_count
+            while locks and node is not None:  # a locked chain is whole: its parents are cached
+                through[node.key] = through.get(node.key, 0) + locks
+                parent_key = node.parent_key
+                node = None if parent_key is None else self._blocks.get(parent_key)
+                require(parent_key is None or node is not None, "a locked block's parent is cached", block)
+        for key, block in self._blocks.items():
+            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through it", block)
+        require(locked == self._protected_blocks, "sizes: protected", (locked, self._protected_blocks))
+        require(len(self._blocks) - locked == self._unlocked, "sizes: unlocked", (locked, self._unlocked))
+        require(self._spare_tokens == sum(len(s) for s in self._spare), "sizes: spare slots")
+        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
+        live = {id(e[3]) for e in self._heap if self._live(e[2], e[3])}
+        for block in self._blocks.values():
+            require(block.lock_count > 0 or id(block) in live, "every unlocked block is ranked", block)
+        parts = [b.slots for b in self._blocks.values()] + self._spare
+        if parts:
+            require(all_unique(np.concatenate(parts)), "slot indices unique across the cache")
+
+    def stranded(self) -> int:
+        """Cached blocks whose parent is not cached (never matchable until a re-insert revives them). O(blocks)."""
+        return sum(b.parent_key is not None and b.parent_key not in self._blocks for b in self._blocks.values())
+
+    def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
+        """The reachable blocks of one namespace as a tree of nested dicts (stranded blocks left out). O(blocks)."""
+        children: dict[int | None, list[V0Block]] = {}
+        for block in self._blocks.values():
+            if block.namespace == namespace:
+                children.setdefault(block.parent_key, []).append(block)
+
+        def walk(block: V0Block) -> dict[str, Any]:
+            return {"tokens": list(block.prefix[-self.block_size :]), "indices": block.slots.tolist(),
+                    "lock_count": block.lock_count, "last_access": block.last_access, "hit_count": block.hit_count,
+                    "children": [walk(c) for c in children.get(block.key, [])]}
+
+        return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
+                "children": [walk(b) for b in children.get(None, [])]}
+
+    def pretty_print(self) -> str:
+        """Text drawing of the default namespace's reachable blocks plus sizes. O(blocks)."""
+        lines = [f"HashV0Cache(block_size={self.block_size}) blocks={self.num_blocks} stranded={self.stranded()} "
+                 f"spare={self._spare_tokens} total={self.total_size} evictable={self.evictable_size} "
+                 f"protected={self.protected_size}"]
+
+        def walk(node: dict[str, Any], depth: int) -> None:
+            for child in node["children"]:
+                toks = " ".join(map(str, child["tokens"][:12])) + (" ..." if len(child["tokens"]) > 12 else "")
+                lines.append(f"{'  ' * depth}[{toks}] lock={child['lock_count']} hits={child['hit_count']}")
+                walk(child, depth + 1)
+
+        walk(self.to_dict(), 1)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"HashV0Cache(block_size={self.block_size}, blocks={self.num_blocks})"
