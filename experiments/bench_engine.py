@@ -284,13 +284,14 @@ def gpu_main(args) -> dict:
         args.context, args.repeats = min(args.context, 512), min(args.repeats, 2)
     shape = ["--sessions", "4", "--turns", "2"] if args.quick else []
     summary, micro = {}, {}
+    # one copy of the model for the micro-figures: on a GPU build_forward serves it as it is, unchanged
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     for backend in GPU_BACKENDS:
         mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--device",
                              args.device, "--attention-backend", backend, *shape])
         for cache in CACHES:
             rows, wall, _ = run_cache(cache, mt)
             summary[f"{backend}/{cache}"] = summarize(cache, rows, wall) | {"backend": backend}
-        loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         micro[backend] = ours_micro(loaded.model, args.context, args.repeats, np.random.default_rng(args.seed),
                                     backend)
     turns = range(1, mt.turns + 1)

@@ -17,7 +17,6 @@ from attention_cases import FAULTS, assert_within_rounding, dense_attention, mak
 from radixkv.attention import (
     FLASHINFER_HEAD_DIMS,
     FlashInferUnavailableError,
-    SharedPrefixTorchBackend,
     TorchReferenceBackend,
     flashinfer_unavailable_reason,
     make_backend,
@@ -110,11 +109,9 @@ def test_auto_never_picks_flashinfer_for_what_it_cannot_run():
         assert says in flashinfer_unavailable_reason(pool)
         with pytest.warns(UserWarning) if device == "cuda" else contextlib.nullcontext():
             backend = make_backend("auto", pool, 4)
-        assert backend.name != "flashinfer"
+        # the PyTorch path on a GPU; on a CPU the compiled kernels where they serve a 16-bit pool
+        assert backend.name in (("torch-cascade",) if device == "cuda" else ("torch-cascade", "cpu"))
         with pytest.raises(FlashInferUnavailableError, match=says) as err:
             make_backend("flashinfer", pool, 4)
         assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)
-    if device == "cuda":
-        pool = KVPool(1, 2, 64, num_slots=32, dtype=torch.float32, device="cuda")
-        assert isinstance(make_backend("auto", pool, 4), SharedPrefixTorchBackend | TorchReferenceBackend)
 

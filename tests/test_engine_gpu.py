@@ -80,8 +80,7 @@ def assert_same_greedy(a: list[int], b: list[int], prompt: list[int], ref: Float
 
 
 def gpu_engine(model: str, dtype: str, backend: str, cache: str = "radix", device: str = "cuda") -> LLM:
-    block = 16
-    return LLM(model, prefix_cache=cache, page_size=1, block_size=block, kv_cache_tokens=16384, dtype=dtype,
+    return LLM(model, prefix_cache=cache, page_size=1, block_size=16, kv_cache_tokens=16384, dtype=dtype,
                device=device, attention_backend=backend, chunked_prefill_size=1024)
 
 
