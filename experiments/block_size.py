@@ -2,7 +2,7 @@
 
 ``python -m experiments.block_size`` (seconds) runs the multi-turn and
 shared-prefix workloads through the simulator with the radix tree at page
-size B and the hash-block cache at block size B, for B in 1, 4, 16, 64, 256,
+size B and the hash-block caches (v1 and v0) at block size B, for B in 1, 4, 16, 64, 256,
 next to radix at page 1 (the token-granular reference) and the upper bound at
 page 1 and at B. Each goes through the same requests, schedule and KV budget:
 unlimited, and a limited one (by default 50% of the workload's distinct
@@ -97,7 +97,7 @@ def run(name: str, block_sizes: list[int], fracs: list[float], args) -> list[dic
         ctx = {"workload": name, "sizes": sz, "capacity_label": label, "capacity_frac": frac,
                "capacity_of": args.capacity_of, "total_tokens": total, "distinct_tokens": distinct,
                "upper_bound": ub1}
-        arms = [("radix page 1", "radix", 1)] + [(c, c, b) for b in block_sizes for c in ("radix", "hash")]
+        arms = [("radix page 1", "radix", 1)] + [(c, c, b) for b in block_sizes for c in ("radix", "hash", "hash-v0")]
         results: dict[tuple[str, int], dict] = {}
         for arm, cache, b in arms:
             t0 = time.perf_counter()
@@ -120,14 +120,14 @@ def comparison(rows: list[dict]) -> list[dict]:
         if r["arm"] != "radix":
             continue
         key = (r["workload"], r["capacity_label"])
-        h = next(x for x in rows if (x["workload"], x["capacity_label"]) == key and x["arm"] == "hash"
-                 and x["granularity"] == r["granularity"])
+        h, v0 = (next(x for x in rows if (x["workload"], x["capacity_label"]) == key and x["arm"] == arm
+                      and x["granularity"] == r["granularity"]) for arm in ("hash", "hash-v0"))
         ref = next(x for x in rows if (x["workload"], x["capacity_label"]) == key and x["arm"] == "radix page 1")
         out.append({"workload": r["workload"], "capacity": r["capacity_label"], "capacity_tokens": r["capacity_tokens"],
-                    "B": r["granularity"], "radix": r["hit_rate"], "hash": h["hit_rate"],
+                    "B": r["granularity"], "radix": r["hit_rate"], "hash": h["hit_rate"], "hash-v0": v0["hit_rate"],
                     "radix-hash": r["hit_rate"] - h["hit_rate"], "radix_page1": ref["hit_rate"],
                     "upper_bound_B": r["upper_bound_at_block"], "evicted_radix": r["evicted_tokens"],
-                    "evicted_hash": h["evicted_tokens"]})
+                    "evicted_hash": h["evicted_tokens"], "evicted_hash_v0": v0["evicted_tokens"]})
     return out
 
 
@@ -154,10 +154,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p.error("--scale must be > 0")
     t0 = time.perf_counter()
     rows = [row for name in names_from(args.workloads, SIZES, "--workloads") for row in run(name, blocks, fracs, args)]
-    print(table(comparison(rows), ["workload", "capacity", "capacity_tokens", "B", "radix", "hash", "radix-hash",
-                                   "radix_page1", "upper_bound_B", "evicted_radix", "evicted_hash"],
-                {"radix": ".4f", "hash": ".4f", "radix-hash": "+.4f", "radix_page1": ".4f", "upper_bound_B": ".4f",
-                 "capacity_tokens": ",", "evicted_radix": ",", "evicted_hash": ","}))
+    print(table(comparison(rows), ["workload", "capacity", "capacity_tokens", "B", "radix", "hash", "hash-v0",
+                                   "radix-hash", "radix_page1", "upper_bound_B", "evicted_radix", "evicted_hash",
+                                   "evicted_hash_v0"],
+                {"radix": ".4f", "hash": ".4f", "hash-v0": ".4f", "radix-hash": "+.4f", "radix_page1": ".4f",
+                 "upper_bound_B": ".4f",
+                 "capacity_tokens": ",", "evicted_radix": ",", "evicted_hash": ",",
+                 "evicted_hash_v0": ","}))
     written = [write_rows(args.out, rows)]
     if not args.no_plot:
         fig = fig5_block_size(rows)

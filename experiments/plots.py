@@ -31,7 +31,7 @@ from matplotlib.ticker import PercentFormatter
 
 SGLANG_PCT_OF_OPTIMAL = 96.0  # SGLang: cache-aware scheduling reaches 96% of the optimal hit rate on average
 MOONCAKE_PAPER_REUSE = 0.40  # Mooncake: about 40% prefix reuse with an unlimited cache on its conversation trace
-CACHE_COLORS = {"none": "tab:gray", "hash": "tab:orange", "radix": "tab:blue"}
+CACHE_COLORS = {"none": "tab:gray", "hash": "tab:orange", "hash-v0": "tab:red", "radix": "tab:blue"}
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -389,14 +389,15 @@ def fig5_block_size(rows: Sequence[dict]) -> Figure:
                    and r.get("capacity_label", _capacity_title(r.get("capacity_tokens"))) == cap]
             styles = {"radix": dict(color=CACHE_COLORS["radix"], marker="o", linestyle="-", markersize=7),
                       "hash": dict(color=CACHE_COLORS["hash"], marker="s", linestyle="--", markersize=9,
-                                   markerfacecolor="none", markeredgewidth=1.5)}
+                                   markerfacecolor="none", markeredgewidth=1.5),
+                      "hash-v0": dict(color=CACHE_COLORS["hash-v0"], marker="x", linestyle=":", markersize=8)}
             blocks: set[int] = set()
             for arm, style in styles.items():
                 pts = sorted((_granularity(r), float(r["hit_rate"])) for r in sel
                              if r["arm"] == arm and _granularity(r))
                 if pts:
                     blocks |= {b for b, _ in pts}
-                    label = "radix, page size B" if arm == "radix" else "hash, block size B"
+                    label = f"{arm}, page size B" if arm == "radix" else f"{arm}, block size B"
                     ax.plot(*zip(*pts, strict=True), label=label, **style)
             ref = next((float(r["hit_rate"]) for r in sel if r["arm"] == "radix page 1"), None)
             if ref is None:

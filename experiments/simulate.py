@@ -58,7 +58,7 @@ def run_grid(requests, caches, caps, evictions, schedules, args) -> list[dict]:
         res = simulate(requests, cache=cache, block_size=args.block_size, eviction_policy=ev, **common)
         if (cap, sched) not in belady:
             belady[cap, sched] = simulate(requests, cache="radix", eviction_policy="belady", **common).hit_rate
-        granularity = args.block_size if cache == "hash" else args.page_size
+        granularity = args.block_size if cache in ("hash", "hash-v0") else args.page_size
         if granularity not in bounds:
             bounds[granularity] = upper_bound(requests, page_size=granularity)
         ub, bel = bounds[granularity], belady[cap, sched]

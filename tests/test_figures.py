@@ -141,10 +141,11 @@ def test_block_size_runs_small_and_radix_matches_or_beats_hash(tmp_path):
         assert hit[("radix", 1)] == hit[("hash", 1)] == hit[("radix page 1", 1)]
         for b in (1, 4, 16, 64):
             assert hit[("radix", b)] >= hit[("hash", b)]
+            assert hit[("hash-v0", b)] == hit[("hash", b)]  # unlimited: v0 and v1 hold the same blocks
             assert hit[("radix", b)] <= hit[("radix page 1", 1)]  # coarser pages never reuse more
             ub = next(r["upper_bound_at_block"] for r in sel if r["granularity"] == b)
             assert hit[("radix", b)] == pytest.approx(ub)  # nothing evicted: the bound at that granularity
         assert hit[("radix", 64)] < hit[("radix", 1)]  # the partial-block cost is visible
         limited = [r for r in rows if r["workload"] == w and r["capacity_tokens"] is not None]
-        assert {r["arm"] for r in limited} == {"radix", "hash", "radix page 1"}
+        assert {r["arm"] for r in limited} == {"radix", "hash", "hash-v0", "radix page 1"}
         assert any(r["evicted_tokens"] for r in limited)  # the limited capacity does evict

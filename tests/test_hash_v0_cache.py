@@ -224,3 +224,52 @@ def test_simulator_accepts_hash_v0_and_hits_as_v1_without_pressure():
     v0, v1 = (simulate(reqs, cache=c, block_size=4, max_running=1) for c in ("hash-v0", "hash"))
     assert v0.hit_tokens == v1.hit_tokens > 0
     assert v0.config["allocator_page"] == 4
+
+
+# ------------------------------------------------ where v0 and v1 differ (docs/hash_vs_radix.md)
+@pytest.mark.parametrize("name", ["hash-v0", "hash"])
+def test_v0_v1_difference_eviction_order_after_a_lookup(name):
+    """Under pressure, v0 evicts the least recently *accessed* blocks (a plain lookup counts); v1 the least
+    recently *released* (a lookup that locks nothing leaves its free queue as it was)."""
+    cache, alloc = make_cache(name, block_size=BS), SlotAllocator(6 * BS, page_size=BS)
+    serve(cache, alloc, list(range(8)) + [99])  # A: 2 blocks, released first
+    serve(cache, alloc, list(range(100, 108)) + [99])  # B: 2 blocks, released second
+    assert cache.match_prefix(list(range(8))).length == 8  # e.g. a policy ranking the waiting queue
+    freed = sorted(cache.evict(2 * BS).tolist())
+    cached_a = cache.match_prefix(list(range(8))).length
+    if name == "hash-v0":
+        assert cached_a == 8 and cache.match_prefix(list(range(100, 108))).length == 0  # B went
+    else:
+        assert cached_a == 0 and cache.match_prefix(list(range(100, 108))).length == 8  # A went
+    assert len(freed) == 2 * BS
+
+
+@pytest.mark.parametrize("name", ["hash-v0", "hash"])
+def test_v0_v1_difference_two_running_requests_filling_the_same_block(name):
+    """Two running requests generate the same blocks: v0 promotes each filled block as it fills, so the
+    second request moves onto the first one's block and frees its copy while both still run (and a third
+    request could already hit them); v1 (as radixkv inserts it) caches generated blocks at finish, so until
+    then each request keeps its own copy. The outputs and the cache after both finish are the same."""
+    from radixkv import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    llm = LLM("tiny-random", prefix_cache=name, block_size=BS, kv_cache_tokens=256)
+    prompt = list(range(10, 20))  # 2 full blocks + 2 tokens
+    for _ in range(2):
+        llm.add_request(prompt, greedy)
+    for _ in range(8):  # the prefill, then 7 decodes: 17 tokens computed, 4 full blocks
+        llm.step()
+    assert [s.computed for s in llm.running] == [17, 17]
+    own = llm.allocator.capacity - llm.allocator.num_free - llm.cache.total_size  # slots outside the cache
+    if name == "hash-v0":
+        assert [s.cached for s in llm.running] == [16, 16] and llm.cache.total_size == 16
+        assert own == 2 * BS  # each one's partial fifth block
+    else:
+        assert [s.cached for s in llm.running] == [8, 8] and llm.cache.total_size == 8
+        assert own == 2 * 3 * BS  # each one's copies of blocks 3 and 4 and its partial fifth
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert outs[0].token_ids == outs[1].token_ids
+    assert llm.cache.total_size == 20  # prompt + 11 generated tokens: 5 full blocks either way
+    llm.check_idle()

@@ -37,7 +37,15 @@ class MatchResult(NamedTuple):
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    """The surface shared by ``RadixCache``, ``HashBlockCache``, ``HashV0Cache`` and ``NoPrefixCache``."""
+    """The surface shared by ``RadixCache``, ``HashBlockCache``, ``HashV0Cache`` and ``NoPrefixCache``.
+
+    ``caches_during_decode`` says when a running request's generated tokens join the cache: False, at
+    finish (the tree, v1's blocks as radixkv inserts them); True, each time they fill a block while it
+    decodes (vLLM v0 promotes a filled block's fake hash to its real one), so a concurrent request can
+    already hit them. The engine asks; the simulator inserts at finish, with the same cache afterwards.
+    """
+
+    caches_during_decode: bool
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult: ...
 

@@ -115,6 +115,8 @@ class HashBlockCache:
     MEMO_ENTRIES = 1024  # first blocks whose key chains are remembered (see BlockHasher.recall)
     MEMO_CHAINS = 32  # chains remembered per first block
 
+    caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
+
     def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str = "lru"):
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")

@@ -55,26 +55,37 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class V0Block:
-    """One cached block. ``prefix`` is the whole token prefix it was hashed from (v0 hashes it, so it is kept)."""
+    """One cached block: its own tokens and a link to its parent block, from which ``prefix`` (what the key
+    hashes) is rebuilt. Keeping the whole prefix per block would take O(L^2 / block_size) memory per request."""
 
-    __slots__ = ("key", "parent_key", "namespace", "prefix", "slots", "lock_count", "own_lock_count",
-                 "last_access", "hit_count", "stamp", "cached")
+    __slots__ = ("key", "parent", "namespace", "tokens", "num_hashed_tokens", "slots", "lock_count",
+                 "own_lock_count", "last_access", "hit_count", "stamp", "cached")
 
-    def __init__(self, key: int, parent_key: int | None, namespace: Hashable, prefix: tuple, slots: np.ndarray,
+    def __init__(self, key: int, parent: V0Block | None, namespace: Hashable, tokens: tuple, slots: np.ndarray,
                  now: int):
-        self.key, self.parent_key, self.namespace, self.prefix, self.slots = key, parent_key, namespace, prefix, slots
+        self.key, self.parent, self.namespace, self.tokens, self.slots = key, parent, namespace, tokens, slots
+        # v0's num_hashed_tokens: the length of the prefix the key hashes (depth x block size)
+        self.num_hashed_tokens = len(tokens) + (parent.num_hashed_tokens if parent is not None else 0)
         self.lock_count = self.own_lock_count = self.hit_count = 0
         self.last_access = now
         self.stamp = -1
         self.cached = True
 
     @property
-    def num_hashed_tokens(self) -> int:
-        """v0's ``num_hashed_tokens``: the length of the prefix the key hashes (the block's depth x block size)."""
-        return len(self.prefix)
+    def parent_key(self) -> int | None:
+        return None if self.parent is None else self.parent.key
+
+    @property
+    def prefix(self) -> tuple:
+        """The whole token prefix up to this block's end, rebuilt through the parents. O(num_hashed_tokens)."""
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return tuple(t for part in reversed(parts) for t in part)
 
     def __repr__(self) -> str:
-        return f"V0Block(hashed={len(self.prefix)}, lock={self.lock_count}, last_access={self.last_access})"
+        return f"V0Block(hashed={self.num_hashed_tokens}, lock={self.lock_count}, last_access={self.last_access})"
 
 
 class V0Chain(NamedTuple):
@@ -104,6 +115,8 @@ class HashV0Cache:
     >>> cache.stats()["hashed_tokens"]            # whole prefixes: insert 4 + 8, match 4 + 8 + 12 (a miss)
     36
     """
+
+    caches_during_decode = True  # a block filled while decoding is cached at once (v0's promotion)
 
     def __init__(self, block_size: int = 16, eviction_policy: str = "lru"):
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
@@ -207,21 +220,21 @@ class HashV0Cache:
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
         bs, toks = self.block_size, arr.tolist()
-        covered, leading, parent_key = [], None, None
+        covered, leading, parent = [], None, None
         for i in range(len(toks) // bs):
             key, prefix = self.hash_of_block(toks, i, namespace)
             block = self._blocks.get(key)
             if block is None:
                 if leading is None:
                     leading = i
-                block = V0Block(key, parent_key, namespace, prefix, idx[i * bs : (i + 1) * bs].copy(), self._clock)
+                block = V0Block(key, parent, namespace, prefix[-bs:], idx[i * bs : (i + 1) * bs].copy(), self._clock)
                 self._blocks[key] = block
                 self._unlocked += 1
             elif leading is not None:  # cached past a missing block: keep it, the caller's copy is spare
                 self._spare.append(idx[i * bs : (i + 1) * bs].copy())
                 self._spare_tokens += bs
             covered.append(block)
-            parent_key = key
+            parent = block
         self._touch(covered)
         return (len(covered) if leading is None else leading) * bs
 
@@ -313,7 +326,7 @@ class HashV0Cache:
             if not block.lock_count:
                 self._seq += 1
                 block.stamp = self._seq
-                heapq.heappush(self._heap, (now, -len(block.prefix), self._seq, block))
+                heapq.heappush(self._heap, (now, -block.num_hashed_tokens, self._seq, block))
         if len(self._heap) > 2 * self._unlocked + 64:
             self._heap = [e for e in self._heap if self._live(e[2], e[3])]
             heapq.heapify(self._heap)
@@ -330,9 +343,11 @@ class HashV0Cache:
         for key, block in self._blocks.items():
             require(block.key == key and block.cached, "table keys match their blocks", block)
             require(len(block.slots) == bs and block.slots.dtype == np.int64, "blocks are full int64 slots", block)
-            require(len(block.prefix) % bs == 0 and block.prefix, "prefixes end at a block boundary", block)
-            require(hash((block.prefix, block.namespace)) == key, "key = hash((whole prefix, namespace))", block)
-            parent = None if len(block.prefix) == bs else hash((block.prefix[:-bs], block.namespace))
+            prefix = block.prefix
+            require(len(block.tokens) == bs and len(prefix) == block.num_hashed_tokens, "blocks hold whole blocks",
+                    block)
+            require(hash((prefix, block.namespace)) == key, "key = hash((whole prefix, namespace))", block)
+            parent = None if len(prefix) == bs else hash((prefix[:-bs], block.namespace))
             require(block.parent_key == parent, "parent key = hash of the prefix one block shorter", block)
             require(block.lock_count >= 0 and block.own_lock_count >= 0, "lock counts >= 0", block)
             locked += block.lock_count > 0
@@ -367,7 +382,7 @@ class HashV0Cache:
                 children.setdefault(block.parent_key, []).append(block)
 
         def walk(block: V0Block) -> dict[str, Any]:
-            return {"tokens": list(block.prefix[-self.block_size :]), "indices": block.slots.tolist(),
+            return {"tokens": list(block.tokens), "indices": block.slots.tolist(),
                     "lock_count": block.lock_count, "last_access": block.last_access, "hit_count": block.hit_count,
                     "children": [walk(c) for c in children.get(block.key, [])]}
 

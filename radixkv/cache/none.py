@@ -22,6 +22,7 @@ class NoPrefixCache:
 
     page_size = 1  # the granularity every cache exposes (its matches are always 0 tokens)
     eviction_policy = "none"
+    caches_during_decode = False
 
     def __init__(self) -> None:
         self.root = ()

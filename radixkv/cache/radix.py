@@ -109,6 +109,8 @@ class RadixCache:
     6
     """
 
+    caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
+
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru"):
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")

@@ -8,7 +8,8 @@ tokens, ``max_running`` and KV memory last. Admission matches with the at-least-
 (``match_for_prefill``) and locks the match; memory comes from the allocator, evicting unlocked cache
 entries when short. After the model (or the cost model) ran the step, ``commit`` advances every request
 and inserts each finished prefill chunk into the cache (``commit_prefix``: the request moves onto the
-cache's slots and lock); ``finish`` caches a finished request's sequence and unlocks it
+cache's slots and lock), and also each block filled while decoding for a cache that ``caches_during_decode``
+(hash-v0); ``finish`` caches a finished request's sequence and unlocks it
 (``release_sequence``).
 
 Memory comes in one of two ways:
@@ -65,6 +66,11 @@ class RequestState:
     cached: int = 0
     computed: int = 0
     hit: int = -1
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The tokens known so far: the prompt here; the engine's record adds what it generated."""
+        return self.prompt
 
     @property
     def prefilling(self) -> bool:
@@ -143,6 +149,16 @@ class Scheduler:
             else:
                 s.computed += decode_tokens
                 self.stats["decode_tokens"] += decode_tokens
+                if self.cache.caches_during_decode:
+                    self._cache_decoded(s)
+
+    def _cache_decoded(self, s: RequestState) -> None:
+        """Cache a decoding request's computed tokens once they fill another block (vLLM v0's promotion);
+        its own copy of a block the cache already holds is freed. A record that knows no generated tokens
+        (the simulator's, which draws them at finish) caches them at finish instead, with the same result."""
+        if len(s.tokens) >= s.computed and self.cache.cacheable_length(s.computed) > s.cached:
+            s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, s.tokens[: s.computed], s.slots,
+                                                      s.cached, s.node, s.namespace)
 
     def extend_decodes(self, states: Sequence[RequestState], tokens: int) -> bool:
         """``tokens`` more KV slots for each decoding request, all or none, without evicting (a stride of
