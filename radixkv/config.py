@@ -101,7 +101,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request generates. ``temperature=0`` is greedy."""
+    """How one request generates. ``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's threshold) is greedy:
+    dividing logits by a tinier one overflows float32 (inf - inf = NaN) where the limit is the argmax."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -135,3 +136,5 @@ class SamplingParams:
         for name in ("max_new_tokens", "top_k", "seed"):  # numpy integers pass the checks; torch wants int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p"):  # a Fraction or a Decimal would fail inside the step's arithmetic
+            object.__setattr__(self, name, float(getattr(self, name)))

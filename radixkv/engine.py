@@ -8,14 +8,16 @@ slots become the cache's canonical ones, so it never points at freed
 duplicates); a finished request inserts prompt + output[:-1] and unlocks.
 Under memory pressure unlocked cache is evicted first, then the most recently
 admitted running request is preempted (its own KV freed, it re-queues and
-recomputes what is no longer cached).
+recomputes what is no longer cached). A step is all or nothing for the
+engine's books (``step``; docs/architecture.md, "The step's fault contract").
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -24,6 +26,7 @@ import torch
 from radixkv.attention import AttentionBatch
 from radixkv.cache import make_cache
 from radixkv.config import EngineConfig, SamplingParams
+from radixkv.interrupts import deferred_interrupts
 from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
@@ -35,9 +38,17 @@ from radixkv.scheduling import RequestState, Scheduler, make_policy
 ROLES = ("system", "user", "assistant")
 
 
+class EngineStalledError(RuntimeError):
+    """Requests wait but none can run: without it ``generate`` would spin forever."""
+
+
 @dataclass
 class RequestOutput:
-    """One finished request. Times are seconds since it was added."""
+    """One finished request. Times are seconds since it was added (NaN before its first token).
+
+    ``finish_reason``: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_new_tokens``), ``"abort"``
+    (``LLM.abort``) or ``"error"`` (this request alone failed; ``error`` says why, its batch went on).
+    """
 
     request_id: int
     prompt_token_ids: list[int]
@@ -48,6 +59,8 @@ class RequestOutput:
     ttft: float
     latency: float
     token_times: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+    error: str | None = None
 
 
 @dataclass(eq=False)
@@ -158,21 +171,32 @@ class LLM:
         return bool(self.waiting or self.running or self._unclaimed)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run the model once, and return the requests that finished."""
+        """Schedule one batch, run the model once, and return the requests that finished (or failed alone).
+
+        All or nothing for the engine's books: whatever is raised inside (any ``BaseException``, at any
+        point), ``Scheduler.recover`` keeps the cache's entries, frees every slot it does not hold and
+        queues every unfinished request again to be recomputed (outputs stay exact); outputs that finished
+        before the failure come with the next ``step()``; the exception propagates. Raises
+        ``EngineStalledError`` when requests wait but none can run (see ``_stalled``).
+        """
         t0 = time.perf_counter()
         unclaimed, self._unclaimed = self._unclaimed, []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return unclaimed
-        prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
         finished: list[RequestOutput] = []
         try:
+            with deferred_interrupts():  # a Ctrl-C here is raised after the books are whole again
+                batch = self.scheduler.schedule()
+            if not batch:
+                if self.waiting or self.running:
+                    raise EngineStalledError(self._stalled())
+                return unclaimed
+            prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
             logits, ab, model_s = self._forward(batch)
-            self._postprocess(batch, logits, finished)
-        except Exception:  # in the model, the cache insertion, sampling or detokenizing
-            # the engine goes on without the failed batch; outputs already finished wait for the next step()
+            with deferred_interrupts():
+                self._postprocess(batch, logits, finished)
+        except BaseException:
+            with deferred_interrupts():
+                self.scheduler.recover()
             self._unclaimed = unclaimed + finished + self._unclaimed
-            self.scheduler.withdraw({s.rid for s, _ in batch})
             raise
         seconds = time.perf_counter() - t0
         self._stats["step_s"] += seconds
@@ -180,6 +204,19 @@ class LLM:
         if self.config.record_steps:
             self.step_log.append(StepRecord.of(ab, seconds, model_s, prefill_rows))
         return unclaimed + finished
+
+    def abort(self, request_ids: int | Iterable[int]) -> None:
+        """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
+
+        Their slots and locks are released and what they computed stays cached where the cache takes it
+        (``Scheduler.abort``); each comes back from the next ``step()`` with ``finish_reason="abort"``. Ids
+        that are unknown or already finished are ignored.
+        """
+        ids = {request_ids} if isinstance(request_ids, Integral) else set(request_ids)
+        with deferred_interrupts():
+            for s in [s for s in self.running + self.waiting if s.rid in ids]:
+                self.scheduler.abort(s)
+                self._unclaimed.append(self._output(s, "abort"))
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -190,10 +227,11 @@ class LLM:
         earlier with ``add_request`` share its batches; those that finish
         meanwhile are returned by the next ``step()``.
         """
+        if isinstance(prompts, bytes | bytearray | set | frozenset | dict | Integral) or not (
+                isinstance(prompts, str | Sequence) or hasattr(prompts, "ndim")):
+            raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, Sequence) and not hasattr(prompts, "ndim"):
-            raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
         one = sampling_params is None or isinstance(sampling_params, SamplingParams)
         params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
         if len(params) != len(prompts):
@@ -223,6 +261,9 @@ class LLM:
     def chat(self, conversations: Sequence[Sequence[dict]] | Sequence[dict],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Each conversation a list of ``{"role", "content"}`` messages, formatted by the chat template."""
+        if not isinstance(conversations, Sequence) or isinstance(conversations, str | bytes):
+            raise ValueError(f"conversations must be a list of messages or of conversations, got "
+                             f"{type(conversations).__name__}")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if self.tokenizer is None:
@@ -234,9 +275,27 @@ class LLM:
             for msg in conv:
                 if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
                     raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
-            ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in transformers 5
+            prompts.append(self._chat_ids(conv))
         return self.generate(prompts, sampling_params)
+
+    def _chat_ids(self, conv: Sequence[dict]) -> list[int]:
+        """The template's parts tokenized with their control tokens, each message's content as plain text:
+        a content holding ``<|im_start|>`` gets the string's ordinary tokens, so it cannot open a turn.
+        The template is rendered with a placeholder per content, split there, and the pieces tokenized
+        separately (the same ids as one pass for ordinary text: the template puts a newline or a control
+        token at each boundary)."""
+        marks = [f"\x00radixkv-content-{i}\x00" for i in range(len(conv))]
+        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": mark} for m, mark in
+                                                   zip(conv, marks, strict=True)], add_generation_prompt=True,
+                                                  tokenize=False)
+        ids: list[int] = []
+        for msg, mark in zip(conv, marks, strict=True):
+            before, found, text = text.partition(mark)
+            if not found:
+                raise ValueError(f"model {self.config.model!r}'s chat template drops or rewrites message contents")
+            ids += self.tokenizer(before, add_special_tokens=False)["input_ids"]
+            ids += self.tokenizer(msg["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def stats(self) -> dict:
         """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions, and time.
@@ -260,11 +319,17 @@ class LLM:
         self.step_log = []
 
     def check_idle(self) -> None:
-        """At idle no slot is leaked and the cache's invariants hold (AssertionError otherwise)."""
+        """The cache's and the allocator's invariants hold; when nothing waits or runs, nothing is protected
+        and every slot is free or evictable (``AssertionError`` otherwise)."""
         self.cache.check_invariants()
-        held = self.allocator.num_free + self.cache.evictable_size + self.cache.protected_size
-        if not (self.waiting or self.running) and held != self.allocator.capacity:
-            raise AssertionError(f"slots leaked: free + evictable + protected = {held} != {self.allocator.capacity}")
+        self.allocator.check_invariants()
+        if self.waiting or self.running:
+            return
+        if self.cache.protected_size:
+            raise AssertionError(f"idle but {self.cache.protected_size} cached tokens are still locked")
+        held = self.allocator.num_free + self.cache.evictable_size
+        if held != self.allocator.capacity:
+            raise AssertionError(f"slots leaked: free + evictable = {held} != {self.allocator.capacity}")
 
     # ------------------------------------------------------------------ running
     def _forward(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, AttentionBatch, float]:
@@ -281,30 +346,58 @@ class LLM:
     def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
                      finished: list[RequestOutput]) -> None:
         """Commit the step (finished prefill chunks join the cache), sample where a prompt is done, and
-        append the outputs of the requests that finished."""
+        append the outputs of the requests that finished. A request whose sampling fails finishes alone
+        with ``finish_reason="error"``."""
         self.scheduler.commit(batch)
-        rows = [i for i, (s, _) in enumerate(batch) if not s.prefilling]
-        if not rows:
-            return
-        sampling = [batch[i][0] for i in rows]
-        specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
-        tokens = sample(logits[rows], specs, [s.generator for s in sampling]).tolist()
         now = time.perf_counter()
-        for s, tok in zip(sampling, tokens, strict=True):
+        for i, (s, _) in enumerate(batch):
+            if s.prefilling:
+                continue
+            try:
+                spec = SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p)
+                tok = int(sample(logits[i : i + 1], [spec], [s.generator])[0])
+            except Exception as e:  # this request's own failure: the rest of the batch goes on
+                self._finish(s, "error", finished, error=f"sampling failed: {type(e).__name__}: {e}")
+                continue
             s.output.append(tok)
             s.token_times.append(now - s.arrival)
-            if self._done(s, tok):
-                finished.append(self._finish(s))
+            reason = self._done(s, tok)
+            if reason:
+                self._finish(s, reason, finished)
 
-    def _done(self, s: _Seq, tok: int) -> bool:
-        return (len(s.output) >= s.params.max_new_tokens or tok in s.params.stop_token_ids
-                or (not s.params.ignore_eos and tok in self.model.config.eos_token_ids))
+    def _done(self, s: _Seq, tok: int) -> str | None:
+        if tok in s.params.stop_token_ids or (not s.params.ignore_eos and tok in self.model.config.eos_token_ids):
+            return "stop"
+        return "length" if len(s.output) >= s.params.max_new_tokens else None
 
-    def _finish(self, s: _Seq) -> RequestOutput:
-        self.scheduler.finish(s, s.tokens[:-1])  # the last token's KV was never computed
-        text = self.tokenizer.decode(s.output, skip_special_tokens=True) if self.tokenizer is not None else ""
-        times = s.token_times
-        return RequestOutput(s.rid, s.prompt, s.output, text, len(s.prompt), s.hit, times[0], times[-1], times)
+    def _finish(self, s: _Seq, reason: str, finished: list[RequestOutput], error: str | None = None) -> None:
+        """Deliver the output first, then release: a failure in between never loses the request (``recover``
+        drops a finished one) and at worst leaves its KV uncached."""
+        out = self._output(s, reason, error)
+        finished.append(out)
+        s.finished = True
+        if reason == "error":
+            self.scheduler.abort(s)  # what it computed stays cached; its last token may have no KV yet
+        else:
+            self.scheduler.finish(s, s.tokens[:-1])  # the last token's KV was never computed
+
+    def _output(self, s: _Seq, reason: str, error: str | None = None) -> RequestOutput:
+        try:
+            text = self.tokenizer.decode(s.output, skip_special_tokens=True) if self.tokenizer is not None else ""
+        except Exception as e:  # a tokenizer failing on one output fails that request only
+            text, reason, error = "", "error", error or f"detokenizing failed: {type(e).__name__}: {e}"
+        times = s.token_times or [math.nan]
+        return RequestOutput(s.rid, s.prompt, s.output, text, len(s.prompt), max(s.hit, 0), times[0], times[-1],
+                             s.token_times, reason, error)
+
+    def _stalled(self) -> str:
+        """Why nothing could be scheduled: what the first waiting request needs against what memory has."""
+        head = self.waiting[0] if self.waiting else self.running[0]
+        need = len(head.prompt) + head.params.max_new_tokens - 1
+        return (f"no progress possible: request {head.rid} needs up to {need} KV slots; free "
+                f"{self.allocator.num_free}, evictable {self.cache.evictable_size}, protected (locked) "
+                f"{self.cache.protected_size} of {self.allocator.capacity}; {len(self.running)} running, "
+                f"{len(self.waiting)} waiting")
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -312,6 +405,8 @@ class LLM:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         try:
+            if isinstance(prompt, bytes | bytearray | set | frozenset | dict):  # iterable, but not token ids
+                raise TypeError
             ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # numpy arrays and tensors too
         except TypeError:
             raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") from None

@@ -167,6 +167,21 @@ class SlotAllocator:
         self._stack[self._top : self._top + len(returned)] = returned
         self._top += len(returned)
 
+    def retain(self, indices: TokenSeq) -> None:
+        """Free every slot but ``indices`` (which become allocated, whole pages held): the books rebuilt from
+        what the caller knows it holds, after a failure left them unknown. O(capacity)."""
+        idx = as_token_array(indices)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            raise ValueError(f"slot index out of range [0, {self.capacity}): {idx.min()}..{idx.max()}")
+        self._live[:] = False
+        self._live[idx] = True
+        per_page = self._live.reshape(self.num_pages, self.page_size).sum(axis=1)
+        if self.page_size > 1:
+            self._page_live[:] = per_page
+        free = np.flatnonzero(per_page == 0)[::-1].astype(self._stack.dtype)  # lowest page id on top
+        self._stack[: len(free)] = free
+        self._top = len(free)
+
     def _has_repeats(self, idx: np.ndarray) -> bool:
         """Whether ``idx`` (in range) lists a slot twice. O(len(idx)), no sort.
 

@@ -16,35 +16,33 @@ generated token's KV is never computed) when admitted, so nothing is ever
 preempted; on finishing it inserts prompt + output[:-1] into the cache and
 unlocks its prefix. So with KV to spare the simulator's steps are the
 engine's, token for token; under memory pressure it evicts earlier than the
-engine (a whole request's need at admission, not chunk by chunk), and hits
-can differ. A request is sent at its arrival, or ``think_time`` after its
+engine, and hits can differ (``preemption=True`` allocates as the engine
+does). A request is sent at its arrival, or ``think_time`` after its
 ``parent`` and every request of its ``after`` have finished.
 
 ``upper_bound`` gives the best hit rate any capacity and order could reach;
 ``eviction_policy="belady"`` gives the clairvoyant eviction reference at a
 given capacity: it evicts the leaf whose next use, in arrival order, lies
 farthest ahead. It knows the arrivals, not the order a reordering policy
-will serve them in, nor which requests will share a batch; so with one
-request at a time it bounds LRU from above (measured in docs/experiments.md),
-while with ``lpm`` and large batches an online policy can come out ahead of it
-by a few percent.
+serves them in: with ``lpm`` and large batches an online policy can beat it
+by a few percent (docs/experiments.md).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import PrefixCache, match_for_prefill
+from radixkv.bounds import upper_bound  # noqa: F401  (the simulator's reference, kept importable here)
+from radixkv.cache.base import PrefixCache
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.factory import make_cache
 from radixkv.cache.none import NoPrefixCache
-from radixkv.cache.radix import RadixCache
 from radixkv.checks import is_int, is_real
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import RequestState, Scheduler, causal_pairs, make_policy
@@ -366,9 +364,10 @@ def simulate(
             nothing is preempted. True: KV grows as in the engine, a chunk or a token at a time, and a request
             short of memory preempts the newest running one (``SimResult.preemptions``).
     """
-    requests = _numbered(list(requests))
+    requests = _numbered(_request_list(requests))
     limits = {"max_batch_tokens": max_batch_tokens, "chunked_prefill_size": chunked_prefill_size}
-    _check_settings(max_running, limits, preemption)
+    _check_settings(max_running, limits, preemption, capacity_tokens=capacity_tokens, page_size=page_size,
+                    block_size=block_size, seed=seed)
     prefix_cache = _make_cache(cache, page_size, block_size, eviction_policy, requests)
     granularity = getattr(prefix_cache, "page_size", 1)
     if isinstance(prefix_cache, NoPrefixCache):
@@ -395,9 +394,13 @@ def simulate(
     return result
 
 
-def _check_settings(max_running: object, limits: dict, preemption: object) -> None:
+def _check_settings(max_running: object, limits: dict, preemption: object, **ints: object) -> None:
     if not isinstance(preemption, bool):
         raise ValueError(f"preemption must be a bool, got {preemption!r}")
+    bad = {k: v for k, v in ints.items() if not (v is None and k == "capacity_tokens")
+           and not (is_int(v) and (v >= 1 or k == "seed"))}
+    if bad:
+        raise ValueError(f"want capacity_tokens None or int >= 1, page_size, block_size ints >= 1, seed int: {bad}")
     if not is_int(max_running) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
     bad = {k: v for k, v in limits.items() if v is not None and not (is_int(v) and v >= 1)}
@@ -412,6 +415,15 @@ def _check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
     held = allocator.num_free + cache.evictable_size + cache.protected_size
     if held != allocator.capacity or cache.protected_size:
         raise AssertionError(f"slots leaked: free + evictable + protected = {held} != capacity {allocator.capacity}")
+
+
+def _request_list(requests: object) -> list[Request]:
+    if isinstance(requests, str | bytes | dict) or not isinstance(requests, Iterable):
+        raise ValueError(f"requests must be a list of Request, got {type(requests).__name__}")
+    out = list(requests)
+    if not all(isinstance(r, Request) for r in out):
+        raise ValueError(f"requests must be Request objects, got {sorted({type(r).__name__ for r in out})}")
+    return out
 
 
 def _numbered(requests: list[Request]) -> list[Request]:
@@ -439,57 +451,3 @@ def _numbered(requests: list[Request]) -> list[Request]:
     return [replace(requests[old], rid=new, parent=None if requests[old].parent is None
                     else new_id[requests[old].parent], after=tuple(new_id[d] for d in requests[old].after))
             for new, old in enumerate(order)]
-
-
-def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
-    """The best hit rate of this workload: unlimited capacity and a perfect order.
-
-    Every distinct prefix is computed once: a page of a prompt is a hit for
-    every request that reaches it within its cacheable prefix (all but the
-    last token, whole pages), except the one request that must compute it.
-    A page costs nothing to anyone if some request generated it (a previous
-    turn's answer) or some request computes it anyway beyond its cacheable
-    prefix. Computed exactly from the workload; O(total tokens) memcmp work.
-    """
-    tree = RadixCache(page_size=page_size)
-    slot = 0
-    for r in requests:  # every sequence whose KV gets computed: prompt + output[:-1]
-        seq = r.prompt if r.output is None else np.concatenate([r.prompt, r.output[:-1]])
-        tree.insert(seq, np.arange(slot, slot + len(seq)), r.namespace)
-        slot += len(seq)
-    reach_cap: dict[int, int] = {}  # node -> requests reaching it within their cacheable prefix
-    reach_all: dict[int, int] = {}  # node -> requests whose whole-page prompt reaches it
-    generated: set[int] = set()
-    nodes: dict[int, Any] = {}
-
-    def climb(node, counts: dict[int, int] | set, stop=None) -> None:
-        while node.parent is not None and node is not stop:
-            nodes[id(node)] = node
-            if isinstance(counts, set):
-                counts.add(id(node))
-            else:
-                counts[id(node)] = counts.get(id(node), 0) + 1
-            node = node.parent
-
-    def ends(r: Request):
-        cap = match_for_prefill(tree, r.prompt, r.namespace).node
-        end_prompt = tree.match_prefix(r.prompt, r.namespace).node
-        end_seq = None
-        if r.output is not None and r.output_len > 1:
-            end_seq = tree.match_prefix(np.concatenate([r.prompt, r.output[:-1]]), r.namespace).node
-        return cap, end_prompt, end_seq
-
-    for r in requests:  # first pass: the matches split the tree at every end point
-        ends(r)
-    for r in requests:  # second pass: no more splits, so nodes keep their length while counted
-        cap, end_prompt, end_seq = ends(r)
-        climb(cap, reach_cap)
-        climb(end_prompt, reach_all)
-        if end_seq is not None:
-            climb(end_seq, generated, stop=end_prompt)
-    hits = 0
-    for key, a in reach_cap.items():
-        computed_anyway = reach_all.get(key, 0) > a or key in generated
-        hits += len(nodes[key]) * (a if computed_anyway else a - 1)
-    total = sum(len(r.prompt) for r in requests)
-    return hits / total if total else 0.0

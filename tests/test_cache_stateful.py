@@ -215,6 +215,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """One block (hash) or one leaf (tree) at a time: what leaves must never strand what is left."""
         self.do_evict(1)
 
+    @precondition(lambda self: self.requests)
+    @rule()
+    def unlock_all(self):
+        """A caller whose books are lost (``Scheduler.recover``): every lock dropped at once, every entry kept."""
+        self.cache.unlock_all()
+        self.requests.clear()
+
     @precondition(lambda self: not self.requests)
     @rule()
     def reset(self):
@@ -236,6 +243,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert c.evictable_size >= 0 and c.protected_size >= 0
         assert c.total_size == len(self.ref) * self.ps
         assert c.protected_size == len(self.locked_keys()) * self.ps
+
+    @invariant()
+    def held_slots_are_the_models(self):
+        assert sorted(self.cache.held_slots().tolist()) == sorted(self.owner)
 
     @invariant()
     def no_slot_leaked(self):

@@ -397,27 +397,27 @@ def fails_on_third_call(real, message: str):
     return flaky
 
 
-def test_a_failing_sampler_drops_its_batch_and_the_engine_goes_on(monkeypatch):
-    """An error after the forward (here in sampling, say NaN logits) is handled like one inside it."""
+def test_a_request_whose_sampling_fails_finishes_alone_with_an_error(monkeypatch, reference):
+    """One request's sampling fails: it finishes with ``finish_reason="error"`` saying why, the others of its
+    batch go on to their exact outputs, and nothing leaks."""
     import radixkv.engine as eng
 
     llm = engine(kv=512)
     monkeypatch.setattr(eng, "sample", fails_on_third_call(eng.sample, "simulated sampling failure"))
-    for p in PROMPTS[:2]:  # driven step by step, where no generate() cleans up after the step
-        llm.add_request(p, GREEDY)
-    with pytest.raises(RuntimeError, match="simulated"):
-        while llm.has_unfinished():
-            llm.step()
-    assert not llm.has_unfinished()
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    outs = {}
+    while llm.has_unfinished():
+        outs |= {o.request_id: o for o in llm.step()}
+    failed = outs[rids[0]]  # calls 1 and 2 sample the two requests' first tokens, call 3 the first one's second
+    assert failed.finish_reason == "error" and "simulated sampling failure" in failed.error
+    assert len(failed.token_ids) == 1 and failed.token_ids == reference[0][:1]
+    assert outs[rids[1]].finish_reason == "length" and outs[rids[1]].token_ids == reference[1]
     llm.check_idle()
-    assert llm.cache.protected_size == 0
-    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in engine().generate(
-        PROMPTS[:2], GREEDY)]
 
 
-def test_outputs_finished_before_a_step_fails_wait_for_the_next_step(reference):
-    """Three requests finish in one step and the second one's detokenizing fails: the first one's output is
-    returned by the next ``step()``, the other two are dropped, nothing leaks."""
+def test_a_request_whose_detokenizing_fails_finishes_alone_with_an_error(reference):
+    """Three requests finish in one step and the second one's detokenizing fails: it alone reports the error,
+    with its tokens; the other two are served."""
 
     class Detokenizer:  # as no tokenizer (text ""), except that the second call fails
         calls = 0
@@ -430,34 +430,33 @@ def test_outputs_finished_before_a_step_fails_wait_for_the_next_step(reference):
 
     llm = engine(kv=512)
     llm.tokenizer = Detokenizer()
-    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]  # prefilled together, so they finish together
-    with pytest.raises(RuntimeError, match="simulated"):
-        while llm.has_unfinished():
-            assert llm.step() == []
-    assert llm.has_unfinished()
-    kept = llm.step()
-    assert [o.request_id for o in kept] == rids[:1] and kept[0].token_ids == reference[0]
-    assert not llm.has_unfinished()
-    llm.check_idle()
-    assert llm.cache.protected_size == 0
-    Detokenizer.calls = 0  # the same failure inside generate(): it raises, and its finished output goes with it
-    with pytest.raises(RuntimeError, match="simulated"):
-        llm.generate(PROMPTS[:3], GREEDY)
-    assert not llm.has_unfinished() and llm.step() == []
+    outs = llm.generate(PROMPTS[:3], GREEDY)  # prefilled together, so they finish together
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "simulated detokenizer failure" in outs[1].error
+    assert [o.token_ids for o in outs] == reference[:3]
     llm.check_idle()
 
 
-def test_a_failing_forward_drops_its_batch_and_the_engine_goes_on():
-    """An error inside the model (say, out of memory) raises; the failed requests free what they held."""
+def test_a_failing_forward_requeues_its_batch_and_the_engine_goes_on(reference):
+    """An error inside the model (say, out of memory) propagates; the step's requests go back to the queue
+    (``Scheduler.recover``) and, stepping on, finish with their exact outputs; nothing leaks."""
     llm = engine(kv=512)
     llm.model.forward = fails_on_third_call(llm.model.forward, "simulated out of memory")
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    outs = {}
     with pytest.raises(RuntimeError, match="simulated"):
+        while llm.has_unfinished():
+            outs |= {o.request_id: o for o in llm.step()}
+    assert llm.has_unfinished() and not llm.running and llm.cache.protected_size == 0
+    while llm.has_unfinished():
+        outs |= {o.request_id: o for o in llm.step()}
+    assert [outs[r].token_ids for r in rids] == reference[:2]
+    llm.check_idle()
+    with pytest.raises(RuntimeError, match="simulated"):  # inside generate(): its requests are withdrawn
+        llm.model.forward = fails_on_third_call(llm.model.forward, "simulated out of memory")
         llm.generate(PROMPTS[:2], GREEDY)
     assert not llm.has_unfinished()
-    llm.check_idle()  # nothing leaked, nothing still locked
-    assert llm.cache.protected_size == 0
-    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in engine().generate(
-        PROMPTS[:2], GREEDY)]
+    llm.check_idle()
 
 
 @pytest.mark.parametrize("cache,page,policy,running,budget,chunk", [

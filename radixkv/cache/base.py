@@ -43,6 +43,9 @@ class PrefixCache(Protocol):
     finish (the tree, v1's blocks as radixkv inserts them); True, each time they fill a block while it
     decodes (vLLM v0 promotes a filled block's fake hash to its real one), so a concurrent request can
     already hit them. The engine asks; the simulator inserts at finish, with the same cache afterwards.
+
+    ``held_slots`` (every slot index the cache holds) and ``unlock_all`` (drop every lock, keep every
+    entry) let a caller rebuild its books after a failure in the middle of a step (``Scheduler.recover``).
     """
 
     caches_during_decode: bool
@@ -69,6 +72,10 @@ class PrefixCache(Protocol):
 
     @property
     def protected_size(self) -> int: ...
+
+    def held_slots(self) -> np.ndarray: ...
+
+    def unlock_all(self) -> None: ...
 
     def check_invariants(self) -> None: ...
 

@@ -80,23 +80,39 @@ class BlockHasher:
         self.hash: ChainHash = {"sha256": _sha256, "builtin": _builtin}.get(hash_algo) or _xxhash()
         self.memo_entries = memo_entries
         self.memo_chains = memo_chains
-        self._seeds: dict[Hashable, BlockKey] = {}
-        # (namespace, first block bytes) -> recent (token bytes, their chained keys, last block); see recall.
+        self._seeds: dict[Hashable, BlockKey] = {}  # the held seeds (see hold) and their owners
+        self._owners: dict[BlockKey, Hashable] = {}
+        # (seed, first block bytes) -> recent (token bytes, their chained keys, last block); see recall.
         self._memo: OrderedDict[tuple, deque[tuple[bytes, list[BlockKey], bytes]]] = OrderedDict()
 
     def seed(self, namespace: Hashable) -> BlockKey:
-        """Block 0's parent key for ``namespace``. O(1) after the first call per namespace."""
+        """Block 0's parent key for ``namespace``. Namespaces are told apart by equality: one whose encoding
+        collides with another's held seed gets a different one. O(1) for a held namespace."""
         seed = self._seeds.get(namespace)
         if seed is None:
             # The namespace is the first block's extra key: repr is a deterministic encoding
             # for the ids used in practice (None, str, int, tuples of them).
-            digest = hashlib.sha256(b"radixkv-block-seed:" + repr(namespace).encode()).digest()
-            seed = int.from_bytes(digest[:8], "little") if self.hash_algo == "builtin" else digest
-            self._seeds[namespace] = seed
+            text, n = repr(namespace).encode(), 0
+            while seed is None or seed in self._owners:  # another (unequal) namespace with this repr holds it
+                digest = hashlib.sha256(b"radixkv-block-seed:" + text + b"#" * n).digest()
+                seed = int.from_bytes(digest[:8], "little") if self.hash_algo == "builtin" else digest
+                n += 1
         return seed
 
+    def hold(self, namespace: Hashable) -> BlockKey:
+        """``seed(namespace)``, kept until ``release``: a cache holds it while blocks chain from it. O(1)."""
+        seed = self.seed(namespace)
+        self._seeds[namespace], self._owners[seed] = seed, namespace
+        return seed
+
+    def release(self, seed: BlockKey) -> None:
+        """Forget a seed no block chains from any more, and the namespace's remembered chains. O(memo)."""
+        del self._seeds[self._owners.pop(seed)]
+        for slot in [slot for slot in self._memo if slot[0] == seed]:
+            del self._memo[slot]
+
     def seeds(self) -> list[BlockKey]:
-        """Every seed handed out so far: the roots the cached chains hang from. O(namespaces)."""
+        """The held seeds: the roots the cached chains hang from. O(namespaces)."""
         return list(self._seeds.values())
 
     def full_blocks(self, tokens: TokenSeq) -> tuple[np.ndarray, bytes, int]:
@@ -125,7 +141,7 @@ class BlockHasher:
         extends an earlier turn's whole sequence). O(memo_chains * len(data)) memcmp.
         """
         step = 8 * self.block_size
-        chains = self._memo.get((namespace, data[:step]))
+        chains = self._memo.get((self.seed(namespace), data[:step]))  # by seed: equal namespaces alike
         if not chains:
             return []
         size, best_n, best = len(data), 0, None
@@ -156,7 +172,7 @@ class BlockHasher:
         if not keys:
             return
         step = 8 * self.block_size
-        slot = (namespace, data[:step])
+        slot = (self.seed(namespace), data[:step])
         chains = self._memo.get(slot)
         if chains is None:
             chains = self._memo[slot] = deque(maxlen=self.memo_chains)

@@ -10,14 +10,11 @@ The baseline radixkv compares the radix tree against, following vLLM v1's
 * Blocks carry lock counts (vLLM's reference counts). A block whose count is 0
   stays cached in a free queue, from which eviction takes its victims.
 * **Children first.** A block is never evicted while a cached block chains
-  from it, so every cached block stays reachable (``match_prefix`` stops at
-  the first missing block). With ``lru`` the free queue's release order
-  guarantees it: chains are queued tail first, by ``unlock`` as in vLLM and
-  by an ``insert`` that adds blocks below unlocked cached ones, which queues
-  those again behind the new blocks (as a vLLM request, which held its whole
-  chain, releases it). The other policies rank blocks by their own
-  statistics, so their queue passes over a block with cached children until
-  its last child leaves.
+  from it, so every cached block stays reachable. With ``lru`` the free
+  queue's release order guarantees it: chains are queued tail first (by
+  ``unlock``, and by an ``insert`` below unlocked cached blocks, which queues
+  those again behind the new ones); the other policies' queues pass over a
+  block with cached children until its last child leaves.
 * Unlike vLLM, identical blocks computed concurrently are deduplicated at
   ``insert`` (the second copy's slots go back to the caller as duplicates),
   as the radix tree does, so both caches hold the same memory for the same content.
@@ -37,7 +34,6 @@ from radixkv.cache.eviction import get_policy
 from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-_CACHED = attrgetter("cached")
 _LOCK_COUNT = attrgetter("lock_count")
 _HAS_CHILDREN = attrgetter("num_children")
 
@@ -147,6 +143,9 @@ class HashBlockCache:
         self._protected_blocks = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._first_blocks: dict[BlockKey, int] = {}  # seed -> cached blocks chaining from it
+        for seed in self._keys.seeds():
+            self._keys.release(seed)
         self.root = BlockChain(())
 
     # ------------------------------------------------------------- sizes
@@ -180,14 +179,10 @@ class HashBlockCache:
 
     # ------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
-        """Walk the block keys from the start; stop at the first miss.
-
-        Hit blocks get their recency and hit count refreshed. With ``lru``, as
-        in vLLM, a lookup alone leaves the free queue as it is (``lock`` takes
-        the blocks out of it and ``unlock`` puts them back at the tail); the
-        other policies re-rank the hit blocks by their new statistics.
-        O(hit blocks + 1) hashes, fewer when an earlier call hashed the same prefix.
-        """
+        """Walk the block keys from the start; stop at the first miss. Hit blocks get their recency and hit
+        count refreshed; with ``lru``, as in vLLM, a lookup alone leaves the free queue as it is (``lock`` and
+        ``unlock`` move blocks), the other policies re-rank the hit blocks. O(hit blocks + 1) hashes, fewer
+        when an earlier call hashed the same prefix."""
         hasher = self._keys
         arr, data, nblocks = hasher.full_blocks(tokens)
         self._queried_tokens += len(arr)
@@ -226,12 +221,9 @@ class HashBlockCache:
     def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
         """Cache every full block of ``tokens``; return how many leading tokens were cached already.
 
-        The caller frees ``indices[k:returned]`` (k = what it matched) as
-        duplicates; the cache takes the slots of the blocks after that. New
-        blocks enter the free queue tail first, and the unlocked cached blocks
-        above them are queued again behind them, so a chain's children always
-        leave before their parents. O(blocks).
-        """
+        The caller frees ``indices[k:returned]`` (k = what it matched) as duplicates; the cache takes the
+        slots of the blocks after that. New blocks enter the free queue tail first, the unlocked cached
+        blocks above them again behind them: children leave before their parents. O(blocks)."""
         hasher = self._keys
         arr, data, nblocks = hasher.full_blocks(tokens)
         idx = as_token_array(indices)
@@ -261,12 +253,8 @@ class HashBlockCache:
 
     def _add_chain(self, keys: list[BlockKey], leading: int, data: bytes, idx: np.ndarray,
                    namespace: Hashable) -> None:
-        """Cache the blocks of ``keys[leading:]`` below the cached ``keys[:leading]`` and queue them.
-
-        None of them is cached: a cached block's parent is always cached, so
-        the first missing block ends every cached chain. O(new blocks + the
-        unlocked leading blocks queued again).
-        """
+        """Cache the blocks of ``keys[leading:]`` (none is cached: the first missing block ends every cached
+        chain) below the cached ``keys[:leading]`` and queue them. O(new + requeued blocks)."""
         blocks, bs, now = self._blocks, self.block_size, self._clock
         step = 8 * bs
         # The unlocked leading blocks, a suffix of them (a locked block's parent is locked too): they
@@ -278,9 +266,11 @@ class HashBlockCache:
         requeue.reverse()
         # One copy of the new blocks' slots, a row (a view) each: a copy per block cost 7% of a hash replay.
         rows = idx[leading * bs : len(keys) * bs].astype(np.int64, copy=True).reshape(-1, bs)
-        parent_key = keys[leading - 1] if leading else self._keys.seed(namespace)
+        parent_key = keys[leading - 1] if leading else self._keys.hold(namespace)
         if leading:
             blocks[parent_key].num_children += 1
+        else:
+            self._first_blocks[parent_key] = self._first_blocks.get(parent_key, 0) + 1
         new: list[Block] = []
         for i, h, slots in zip(range(leading, len(keys)), keys[leading:], rows, strict=True):
             block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now)
@@ -296,17 +286,11 @@ class HashBlockCache:
     def lock(self, node: BlockChain) -> None:
         """Lock every block of the handle (taking unlocked ones out of the free queue). O(blocks in the handle).
 
-        A handle is named by its last block (its key chains the whole prefix),
-        which counts the locks taken through it (``own_lock_count``), so
-        ``unlock`` can tell a handle that was locked from a shorter one that
-        only shares its blocks.
-        """
-        blocks = node.blocks
+        The handle's last block counts the locks taken through it (``own_lock_count``), so ``unlock`` can
+        tell a handle that was locked from a shorter one that only shares its blocks. ``LockError`` for a
+        handle of another cache or with an evicted block."""
+        blocks = self._own(node, "lock")
         first_locks = [block for block in blocks if not block.lock_count]
-        # A locked block is never evicted (and reset() zeroes the counts of what it drops),
-        # so only unlocked blocks can be stale.
-        if not all(map(_CACHED, first_locks)):
-            raise LockError("cannot lock a handle one of whose blocks was evicted")
         if first_locks:
             self._queue.remove_many(first_locks)
             self._protected_blocks += len(first_locks)
@@ -318,14 +302,11 @@ class HashBlockCache:
     def unlock(self, node: BlockChain) -> None:
         """Release one lock of every block; freed blocks join the queue tail, chain tail first.
 
-        Raises ``LockError`` (changing nothing) when a block's lock count is
-        already 0 (which includes every block of a handle from before
-        ``reset``), or when the handle was never locked itself: only longer
-        handles sharing its blocks were. Per-block counts alone would let that
-        unlock through and free blocks a longer locked handle still uses.
-        O(blocks in the handle), x log n under a policy other than ``lru``.
+        Raises ``LockError`` (changing nothing) for a foreign or stale handle, a block whose lock count is
+        already 0, or a handle never locked itself (only longer handles sharing its blocks were: per-block
+        counts alone would free blocks a longer locked handle still uses). O(blocks), x log n if not ``lru``.
         """
-        blocks = node.blocks
+        blocks = self._own(node, "unlock")
         if not all(map(_LOCK_COUNT, blocks)):
             bad = next(b for b in blocks if not b.lock_count)
             raise LockError(f"unlock of {bad!r} whose lock count is already 0 (or no longer cached)")
@@ -369,7 +350,42 @@ class HashBlockCache:
                 parent.num_children -= 1
                 if not parent.num_children:
                     queue.ready(parent)  # lru: already queued behind its children; others: rank it again
+            else:  # a first block: its namespace's seed goes with the last one
+                self._release_seed(block.parent_key)
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _own(self, node: object, verb: str) -> tuple[Block, ...]:
+        """The handle's blocks, or ``LockError`` for a handle of another cache or with an evicted block."""
+        blocks = node.blocks if isinstance(node, BlockChain) else None
+        if blocks is None or any(self._blocks.get(b.key) is not b for b in blocks):
+            raise LockError(f"cannot {verb} {node!r}: not a handle of this cache's cached blocks (another "
+                            "cache's, or one of its blocks was evicted or dropped by reset)")
+        return blocks
+
+    def _release_seed(self, seed: BlockKey) -> None:
+        self._first_blocks[seed] -= 1
+        if not self._first_blocks[seed]:
+            del self._first_blocks[seed]
+            self._keys.release(seed)
+
+    def held_slots(self) -> np.ndarray:
+        """Every slot index of the cached blocks (locked or not), int64. O(blocks)."""
+        return np.concatenate([block.slots for block in self._blocks.values()] + [_EMPTY])
+
+    def unlock_all(self) -> None:
+        """Drop every lock (a caller's books lost after a failed step); blocks stay, joining the queue
+        deepest first (children before parents). O(b x depth)."""
+        locked = [block for block in self._blocks.values() if block.lock_count]
+        for block in locked:
+            block.lock_count = block.own_lock_count = 0
+        self._protected_blocks = 0
+        self._queue.push_reversed(sorted(locked, key=self._depth))
+
+    def _depth(self, block: Block) -> int:
+        depth = 0
+        while block.parent_key in self._blocks:
+            block, depth = self._blocks[block.parent_key], depth + 1
+        return depth
 
     def cacheable_length(self, num_tokens: int) -> int:
         """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (full blocks)."""
@@ -377,10 +393,7 @@ class HashBlockCache:
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
-        """Verify every invariant; raise ``AssertionError`` naming the broken one.
-
-        O(blocks * block_size + locked handles * their depth).
-        """
+        """Verify every invariant; raise ``AssertionError`` naming the broken one. O(blocks + locked x depth)."""
 
         def require(ok: bool, name: str, detail: object = "") -> None:
             if not ok:  # the detail (often a block) is formatted only on failure: this runs per block
@@ -390,9 +403,8 @@ class HashBlockCache:
         children: dict[BlockKey, list[Block]] = {}
         for key, block in self._blocks.items():
             require(block.key == key and block.cached, "map keys match their blocks", block)
-            require(len(block.slots) == self.block_size, "blocks are full", block)
-            require(len(block.tokens) == 8 * self.block_size, "block tokens are full", block)
-            require(block.slots.dtype == np.int64, "indices are int64", block)
+            require(len(block.slots) == self.block_size == len(block.tokens) // 8 and block.slots.dtype == np.int64,
+                    "blocks are full, their indices int64", block)
             require(block.lock_count >= 0, "lock counts >= 0", block)
             require(self._hash(block.parent_key, block.tokens) == key, "key = H(parent key, tokens)", block)
             require((block in self._queue) == (block.lock_count == 0), "free queue holds exactly the unlocked blocks",
@@ -406,9 +418,7 @@ class HashBlockCache:
         require(locked == self._protected_blocks, "sizes: protected",
                 f"counted {locked} blocks, recorded {self._protected_blocks}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        if self._blocks:
-            flat = np.concatenate([b.slots for b in self._blocks.values()])
-            require(all_unique(flat), "slot indices unique across the cache")
+        require(all_unique(self.held_slots()), "slot indices unique across the cache")
 
     def _check_tree(self, require: Require, children: dict[BlockKey, list[Block]]) -> None:
         """Every cached block hangs from a namespace's seed through cached blocks. O(blocks)."""
@@ -461,19 +471,12 @@ class HashBlockCache:
             children.setdefault(block.parent_key, []).append(block)
 
         def walk(block: Block) -> dict[str, Any]:
-            return {
-                "tokens": np.frombuffer(block.tokens, dtype=LE_INT64).tolist(),
-                "indices": block.slots.tolist(),
-                "lock_count": block.lock_count,
-                "last_access": block.last_access,
-                "hit_count": block.hit_count,
-                "children": [walk(c) for c in children.get(block.key, [])],
-            }
+            return {"tokens": np.frombuffer(block.tokens, dtype=LE_INT64).tolist(), "indices": block.slots.tolist(),
+                    "lock_count": block.lock_count, "last_access": block.last_access, "hit_count": block.hit_count,
+                    "children": [walk(c) for c in children.get(block.key, [])]}
 
-        return {
-            "tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
-            "children": [walk(b) for b in children.get(self._keys.seed(namespace), [])],
-        }
+        return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
+                "children": [walk(b) for b in children.get(self._keys.seed(namespace), [])]}
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's block tree plus queue statistics. O(blocks)."""

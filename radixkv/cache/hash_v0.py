@@ -194,7 +194,7 @@ class HashV0Cache:
         toks, hit = arr.tolist(), []
         for i in range(len(toks) // self.block_size):
             block = self._blocks.get(self.hash_of_block(toks, i, namespace)[0])
-            if block is None:
+            if block is None or block.namespace != namespace:  # equal hashes, unequal namespaces: never shared
                 break
             block.hit_count += 1
             hit.append(block)
@@ -224,6 +224,11 @@ class HashV0Cache:
         for i in range(len(toks) // bs):
             key, prefix = self.hash_of_block(toks, i, namespace)
             block = self._blocks.get(key)
+            if block is not None and block.namespace != namespace:  # (e.g. -1 and -2: hash(-1) == hash(-2))
+                leading = i if leading is None else leading
+                self._spare.extend(idx[i * bs : (len(toks) // bs) * bs].copy().reshape(-1, bs))
+                self._spare_tokens += (len(toks) // bs - i) * bs  # the rest is spare: it can never be matched
+                break
             if block is None:
                 if leading is None:
                     leading = i
@@ -304,6 +309,19 @@ class HashV0Cache:
             freed.append(block.slots)
             count += self.block_size
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def held_slots(self) -> np.ndarray:
+        """Every slot index held: the cached blocks' (stranded ones included) and the spare slots. O(blocks)."""
+        return np.concatenate([block.slots for block in self._blocks.values()] + self._spare + [_EMPTY])
+
+    def unlock_all(self) -> None:
+        """Drop every lock (for a caller whose books are lost, e.g. after a failed step); blocks stay. O(b log n)."""
+        locked = [block for block in self._blocks.values() if block.lock_count]
+        for block in locked:
+            block.lock_count = block.own_lock_count = 0
+        self._unlocked += len(locked)
+        self._protected_blocks = 0
+        self._touch(locked)
 
     def cacheable_length(self, num_tokens: int) -> int:
         """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (full blocks)."""

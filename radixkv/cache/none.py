@@ -52,6 +52,12 @@ class NoPrefixCache:
     def evict(self, num_tokens: int) -> np.ndarray:
         return _EMPTY.copy()
 
+    def held_slots(self) -> np.ndarray:
+        return _EMPTY.copy()
+
+    def unlock_all(self) -> None:
+        return None
+
     total_size = property(lambda self: 0)
     evictable_size = property(lambda self: 0)
     protected_size = property(lambda self: 0)

@@ -1,8 +1,7 @@
 """A token-level radix tree of KV slot indices (SGLang's RadixAttention).
 
-Each edge holds a run of token ids and the KV slot index of every one of those
-tokens. Requests that share a prefix share a path; a request that diverges in
-the middle of an edge splits it there. Running requests ``lock`` the node where
+Each edge holds a run of token ids and their KV slot indices. Requests that share a prefix share a path;
+a request that diverges in the middle of an edge splits it there. Running requests ``lock`` the node where
 their cached prefix ends, which protects the whole path to the root; unlocked
 leaves are evicted in policy order (LRU by default) and a parent becomes a
 leaf, and a candidate, when its last child goes.
@@ -12,12 +11,9 @@ Design notes, because they decide the speed:
 * Token ids are kept as ``bytes`` (int64, native order), so comparing a query
   with an edge is one ``memcmp`` however long the edge is, and the child of a
   node is found with one dict lookup keyed by the bytes of the first page.
-* Evictable leaves sit in a lazy binary heap: a node is pushed whenever it
-  becomes an evictable leaf or its priority changes while it is one, and stale
-  entries (superseded, locked, no longer a leaf, evicted) are dropped when they
-  surface. The heap is rebuilt from the live entries when it holds more than
-  2 x nodes + 64 of them, so its size stays O(nodes) and each push or pop
-  costs O(log n) amortized.
+* Evictable leaves sit in a lazy binary heap: a node is pushed whenever it becomes an evictable leaf or
+  its priority changes while it is one; stale entries are dropped when they surface, and the heap is
+  rebuilt from the live ones past 2 x nodes + 64 entries: O(log n) amortized per push or pop.
 * The tree never frees memory; ``evict`` returns slot indices to the caller.
 """
 
@@ -84,18 +80,14 @@ class RadixCache:
     """Token-level radix tree mapping token prefixes to KV slot indices.
 
     Args:
-        page_size: slots (tokens) per KV page, the unit the tree matches in.
-            Matches and inserts are rounded down to whole pages, and edges
-            always hold whole pages.
-        eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo``
-            (see :mod:`radixkv.cache.eviction`).
+        page_size: slots (tokens) per KV page, the unit the tree matches in: matches and inserts are
+            rounded down to whole pages, and edges always hold whole pages.
+        eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo`` (:mod:`radixkv.cache.eviction`).
 
-    Costs (n = tokens in the query, d = depth of the matched path, N = nodes
-    in the tree): ``match_prefix`` and ``insert`` are O(n) memcmp work plus
-    O(d) Python steps, never a Python loop over tokens, plus O(L) copying
-    where they split an edge of L tokens (the lower part gets its own key
-    and values); ``lock``/``unlock`` are O(d); ``evict`` is O(k log N) for k
-    removed leaves.
+    Costs (n = tokens in the query, d = depth of the matched path, N = nodes in the tree):
+    ``match_prefix`` and ``insert`` are O(n) memcmp work plus O(d) Python steps, never a Python loop over
+    tokens, plus O(L) copying where they split an edge of L tokens; ``lock``/``unlock`` are O(d); ``evict``
+    is O(k log N) for k removed leaves. A namespace's root goes when its last entry is evicted.
 
     >>> cache = RadixCache()
     >>> cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
@@ -127,7 +119,8 @@ class RadixCache:
         self._seq = 0
         self.root = RadixNode(b"", _EMPTY, None, 0)
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
-        self._root_ids = {id(self.root)}
+        self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
+        self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
         self._heap: list[tuple[float, int, RadixNode]] = []
         self._num_nodes = 0
         self._total = 0
@@ -318,6 +311,8 @@ class RadixCache:
         top = node
         while top.parent is not None:
             top = top.parent
+        if top is node and not node.key and id(node) in self._old_root_ids:
+            return
         if top.key or id(top) not in self._root_ids:
             raise LockError(f"cannot {verb} {node!r}: it is no longer in the cache (evicted, or from before reset())")
 
@@ -386,12 +381,32 @@ class RadixCache:
             self._num_nodes -= 1
             if not parent.children and parent.parent is not None and parent.lock_count == 0:
                 self._push(parent)
+            elif not parent.children and parent is not self.root and parent.parent is None:
+                self._drop_root(parent)
         self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _drop_root(self, root: RadixNode) -> None:
+        """Forget a namespace that holds nothing any more. O(namespaces)."""
+        del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
+        self._root_ids.discard(id(root))
+        self._old_root_ids.add(id(root))
 
     def cacheable_length(self, num_tokens: int) -> int:
         """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (whole pages)."""
         return num_tokens - num_tokens % self.page_size
+
+    def held_slots(self) -> np.ndarray:
+        """Every slot index the tree holds (locked or not), int64. O(total_size)."""
+        return np.concatenate([node.value for node in self._all_nodes()] + [_EMPTY])
+
+    def unlock_all(self) -> None:
+        """Drop every lock (for a caller whose books are lost, e.g. after a failed step); entries stay. O(N log N)."""
+        for node in self._all_nodes():
+            node.lock_count = node.own_lock_count = 0
+            if not node.children:
+                self._push(node)
+        self._protected = 0
 
     # ------------------------------------------------------------- inspection
     def _all_nodes(self):
@@ -412,7 +427,6 @@ class RadixCache:
         pb = self._page_bytes
         live = {id(e[2]) for e in self._heap if self._entry_is_live(e)}
         total = protected = nodes = 0
-        values = []
         for ns, root in self._roots.items():
             require(root.parent is None and not root.key and root.lock_count == 0, "root",
                     f"root of namespace {ns!r} must be empty, parentless and unlocked")
@@ -434,14 +448,11 @@ class RadixCache:
                 require(id(node) in live, "every evictable leaf is in the eviction heap", node)
             total += n
             protected += n if node.lock_count > 0 else 0
-            values.append(node.value)
         require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
         require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
         require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        if values:
-            flat = np.concatenate(values)
-            require(all_unique(flat), "slot indices unique across the tree")
+        require(all_unique(self.held_slots()), "slot indices unique across the tree")
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The tree of one namespace as nested dicts (for notebooks and tests). O(N + tokens)."""

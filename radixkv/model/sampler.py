@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax, their limit: a tinier one overflows float32
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How one request samples. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` are off."""
+    """How one request samples. ``temperature < GREEDY_BELOW`` is greedy; ``top_k <= 0`` and ``top_p == 1`` are
+    off."""
 
     temperature: float = 0.0
     top_k: int = -1
@@ -39,7 +42,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for i, (spec, gen) in enumerate(zip(specs, generators, strict=True)):
         row = logits[i].float()
-        if spec.temperature == 0:
+        if spec.temperature < GREEDY_BELOW:
             out[i] = row.argmax()
             continue
         row = (row - row.max()) / spec.temperature  # shifted first: a tiny temperature gives -inf, never inf - inf

@@ -66,6 +66,7 @@ class RequestState:
     cached: int = 0
     computed: int = 0
     hit: int = -1
+    finished: bool = False  # its output is out: ``recover`` drops it instead of queueing it again
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -179,6 +180,31 @@ class Scheduler:
                          state.node, state.namespace)
         self.running.remove(state)
 
+    def abort(self, s: RequestState) -> None:
+        """Drop a waiting or running request: what it computed (its leading tokens with KV) is cached as
+        at finish, the rest of its slots freed, its lock released."""
+        if s in self.running:
+            n = min(s.computed, len(s.tokens))  # the simulator's records know their prompt only
+            release_sequence(self.cache, self.allocator, s.tokens[:n], s.slots[:n], s.cached, s.node, s.namespace)
+            self.allocator.free(s.slots[max(n, s.cached) :])
+            self.running.remove(s)
+        if s in self.waiting:
+            self.waiting.remove(s)
+        s.reset()
+
+    def recover(self) -> None:
+        """Rebuild the books after a failure anywhere in a step (any exception, between any two lines of
+        ``schedule``, ``commit`` or ``finish``): keep every cache entry and drop every lock, free every slot
+        the cache does not hold, and queue every unfinished request again, the running ones first in their
+        order, to be recomputed from what the cache holds. Nothing is lost or held twice, whatever the
+        records said. O(capacity + cache size)."""
+        queue = list(dict.fromkeys(s for s in self.running + self.waiting if not s.finished))
+        for s in queue:
+            s.reset()
+        self.waiting, self.running, self.newly_admitted = queue, [], []
+        self.cache.unlock_all()
+        self.allocator.retain(self.cache.held_slots())
+
     def withdraw(self, rids: set[int]) -> None:
         """Drop the unfinished requests with these ids, freeing what they hold (their cached prefixes stay)."""
         for s in [s for s in self.running if s.rid in rids]:
@@ -211,8 +237,8 @@ class Scheduler:
             self.cache.unlock(m.node)
             s.reset()
             return 0
+        self.running.append(s)  # in both lists for a moment, never in neither (see recover)
         self.waiting.remove(s)
-        self.running.append(s)
         self.newly_admitted.append(s)
         if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
             s.hit = m.length
@@ -261,8 +287,8 @@ class Scheduler:
     def preempt(self, s: RequestState) -> None:
         """Free a running request's own KV, keep its cached prefix, and queue it first to be recomputed."""
         self._release(s)
-        self.running.remove(s)
         self.waiting.insert(0, s)
+        self.running.remove(s)
         self.stats["preemptions"] += 1
 
     def _release(self, s: RequestState) -> None:

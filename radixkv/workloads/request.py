@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixkv.checks import is_int
+from radixkv.checks import is_int, is_real
 
 
 @dataclass(eq=False)
@@ -57,15 +57,25 @@ class Request:
         if not all(map(is_int, self.after)):
             raise ValueError(f"after must hold request ids (ints), got {self.after!r}")
         self.after = tuple(int(d) for d in self.after)
-        self.prompt = np.asarray(self.prompt, dtype=np.int64).reshape(-1)
+        checks = [(is_real(self.arrival) and self.arrival >= 0, "arrival", "a finite number >= 0"),
+                  (is_int(self.output_len) and self.output_len >= 1, "output_len", "an integer >= 1"),
+                  (is_real(self.think_time) and self.think_time >= 0, "think_time", "a finite number >= 0"),
+                  (self.parent is None or is_int(self.parent), "parent", "None or a request id (int)"),
+                  (is_int(self.rid), "rid", "an integer")]
+        for ok, name, what in checks:
+            if not ok:
+                raise ValueError(f"invalid Request: {name} must be {what}, got {getattr(self, name)!r}")
+        try:
+            hash(self.namespace)
+        except TypeError:
+            raise ValueError(f"invalid Request: namespace must be hashable, got {self.namespace!r}") from None
+        self.prompt = _token_ids(self.prompt, "prompt")
         if self.output is not None:
-            self.output = np.asarray(self.output, dtype=np.int64).reshape(-1)
+            self.output = _token_ids(self.output, "output")
             if len(self.output) != self.output_len:
                 raise ValueError(f"output has {len(self.output)} tokens but output_len is {self.output_len}")
         if len(self.prompt) == 0:
             raise ValueError("a request needs at least one prompt token")
-        if self.output_len < 1:
-            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
 
     @property
     def prompt_len(self) -> int:
@@ -77,6 +87,14 @@ class Request:
             f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent}"
             + (f", after={self.after})" if self.after else ")")
         )
+
+
+def _token_ids(values: object, name: str) -> np.ndarray:
+    """``values`` as int64 token ids; strings, bytes, sets, dicts and non-integers are a ``ValueError``."""
+    arr = np.asarray(values) if not isinstance(values, str | bytes | set | frozenset | dict) else None
+    if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"invalid Request: {name} must be integer token ids, got {type(values).__name__}")
+    return arr.astype(np.int64).reshape(-1)
 
 
 class TokenSource:
