@@ -193,17 +193,19 @@ class LLM:
             logits, ab, model_s = self._forward(batch)
             with deferred_interrupts():
                 self._postprocess(batch, logits, finished)
+                self._record(time.perf_counter() - t0, model_s, ab, prefill_rows)
+                return unclaimed + finished
         except BaseException:
-            with deferred_interrupts():
-                self.scheduler.recover()
-            self._unclaimed = unclaimed + finished + self._unclaimed
+            with deferred_interrupts():  # outputs first: nothing finished is lost, nothing is served twice
+                self._unclaimed = unclaimed + finished + self._unclaimed
+                self.scheduler.recover(done={o.request_id for o in finished})
             raise
-        seconds = time.perf_counter() - t0
+
+    def _record(self, seconds: float, model_s: float, ab: AttentionBatch, prefill_rows: list[bool]) -> None:
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
             self.step_log.append(StepRecord.of(ab, seconds, model_s, prefill_rows))
-        return unclaimed + finished
 
     def abort(self, request_ids: int | Iterable[int]) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
@@ -214,9 +216,14 @@ class LLM:
         """
         ids = {request_ids} if isinstance(request_ids, Integral) else set(request_ids)
         with deferred_interrupts():
-            for s in [s for s in self.running + self.waiting if s.rid in ids]:
-                self.scheduler.abort(s)
-                self._unclaimed.append(self._output(s, "abort"))
+            try:
+                for s in [s for s in self.running + self.waiting if s.rid in ids]:
+                    self._unclaimed.append(self._output(s, "abort"))  # before its record is reset
+                    s.finished = True
+                    self.scheduler.abort(s)
+            except BaseException:  # the books as after a failed step (the fault contract)
+                self.scheduler.recover()
+                raise
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -241,19 +248,23 @@ class LLM:
         rids: list[int] = []
         mine: set[int] = set()
         done: dict[int, RequestOutput] = {}
+        outs: list[RequestOutput] = []
         try:
             for ids, sp in zip(checked, params, strict=True):
                 rids.append(self._queue(ids, sp, None))
                 mine.add(rids[-1])
             while len(done) < len(rids):
-                for out in self.step():
-                    if out.request_id in mine:
-                        done[out.request_id] = out
-                    else:  # added with add_request: the next step() returns it
-                        self._unclaimed.append(out)
-        except BaseException:  # a failed step (or Ctrl-C): withdraw this call's requests, keep the others
+                outs = self.step()
+                with deferred_interrupts():
+                    for out in outs:
+                        if out.request_id in mine:
+                            done[out.request_id] = out
+                        else:  # added with add_request: the next step() returns it
+                            self._unclaimed.append(out)
+                    outs = []
+        except BaseException:  # a failed step (or Ctrl-C): withdraw this call's requests, keep the others'
             self.scheduler.withdraw(mine)
-            self._unclaimed = [o for o in self._unclaimed if o.request_id not in mine]
+            self._unclaimed = [o for o in self._unclaimed + outs if o.request_id not in mine]
             raise
         self.check_idle()
         return [done[r] for r in rids]
@@ -266,17 +277,18 @@ class LLM:
                              f"{type(conversations).__name__}")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        return self.generate([self.chat_prompt(conv) for conv in conversations], sampling_params)
+
+    def chat_prompt(self, conv: Sequence[dict]) -> list[int]:
+        """One conversation's prompt token ids through the chat template (``ValueError`` for bad messages)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer or chat template")
-        prompts = []
-        for conv in conversations:
-            if not conv:
-                raise ValueError("empty conversation: give at least one message")
-            for msg in conv:
-                if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-                    raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
-            prompts.append(self._chat_ids(conv))
-        return self.generate(prompts, sampling_params)
+        if isinstance(conv, str | bytes) or not isinstance(conv, Sequence) or not conv:
+            raise ValueError("a conversation is a non-empty list of messages")
+        for msg in conv:
+            if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
+                raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
+        return self._chat_ids(conv)
 
     def _chat_ids(self, conv: Sequence[dict]) -> list[int]:
         """The template's parts tokenized with their control tokens, each message's content as plain text:
@@ -349,15 +361,17 @@ class LLM:
         append the outputs of the requests that finished. A request whose sampling fails finishes alone
         with ``finish_reason="error"``."""
         self.scheduler.commit(batch)
+        rows = [i for i, (s, _) in enumerate(batch) if not s.prefilling]
+        if not rows:
+            return
+        sampling = [batch[i][0] for i in rows]
+        specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
+        errors: list[Exception | None] = [None] * len(rows)
+        tokens = sample(logits[rows], specs, [s.generator for s in sampling], errors).tolist()  # one sync
         now = time.perf_counter()
-        for i, (s, _) in enumerate(batch):
-            if s.prefilling:
-                continue
-            try:
-                spec = SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p)
-                tok = int(sample(logits[i : i + 1], [spec], [s.generator])[0])
-            except Exception as e:  # this request's own failure: the rest of the batch goes on
-                self._finish(s, "error", finished, error=f"sampling failed: {type(e).__name__}: {e}")
+        for s, tok, err in zip(sampling, tokens, errors, strict=True):
+            if err is not None:  # this request's own failure: the rest of the batch goes on
+                self._finish(s, "error", finished, error=f"sampling failed: {type(err).__name__}: {err}")
                 continue
             s.output.append(tok)
             s.token_times.append(now - s.arrival)

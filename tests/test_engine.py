@@ -400,10 +400,10 @@ def fails_on_third_call(real, message: str):
 def test_a_request_whose_sampling_fails_finishes_alone_with_an_error(monkeypatch, reference):
     """One request's sampling fails: it finishes with ``finish_reason="error"`` saying why, the others of its
     batch go on to their exact outputs, and nothing leaks."""
-    import radixkv.engine as eng
+    import radixkv.model.sampler as sampler
 
     llm = engine(kv=512)
-    monkeypatch.setattr(eng, "sample", fails_on_third_call(eng.sample, "simulated sampling failure"))
+    monkeypatch.setattr(sampler, "_sample_row", fails_on_third_call(sampler._sample_row, "simulated sampling failure"))
     rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:2]]
     outs = {}
     while llm.has_unfinished():

@@ -54,7 +54,9 @@ def serve(llm: LLM, prompts=PROMPTS, abort: set[int] = frozenset()) -> tuple[dic
         steps += 1
         assert steps < 1000, "no progress"
         try:
-            outs |= {o.request_id: o for o in llm.step()}
+            for o in llm.step():
+                assert o.request_id not in outs, f"request {o.request_id} came back twice"
+                outs[o.request_id] = o
         except (Injected, KeyboardInterrupt):
             faults += 1
             llm.cache.check_invariants()
@@ -114,8 +116,6 @@ def test_a_fault_at_each_point_of_a_step_loses_nothing(config, point, exc):
     for nth, after in ((2, False), (7, True)):
         llm = make(config)
         obj, name = POINTS[point](llm)
-        if point == "sampling" and exc is Injected:
-            continue  # one request's sampling error fails that request alone (next test)
         injector = FailOnce(obj, name, nth, exc, after)
         try:
             outs, faults = serve(llm)
@@ -127,12 +127,15 @@ def test_a_fault_at_each_point_of_a_step_loses_nothing(config, point, exc):
 
 
 def test_one_requests_sampling_error_fails_it_alone():
+    """A row of the batch's sampling fails (``sample(..., errors)``): that request alone, the rest go on."""
+    import radixkv.model.sampler as sampler
+
     llm = make("radix-p1")
-    injector = FailOnce(eng, "sample", 3, Injected)
+    injector = FailOnce(sampler, "_sample_row", 3, Injected)
     try:
         outs, faults = serve(llm)
     finally:
-        eng.sample = injector.real
+        sampler._sample_row = injector.real
     failed = [i for i, o in outs.items() if o.finish_reason == "error"]
     assert faults == 0 and len(failed) == 1 and "injected" in outs[failed[0]].error
     check(llm, "radix-p1", {i: o for i, o in outs.items() if i not in failed})
@@ -409,3 +412,78 @@ def test_a_user_message_cannot_add_a_system_turn():
     assert llm._chat_ids(plain) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # ordinary text: same ids
     out = llm.chat(forged, SamplingParams(max_new_tokens=2))[0]
     assert out.prompt_token_ids.count(start) == llm._chat_ids(plain).count(start)
+
+
+# ----------------------------------------------------------------- found in review
+def test_abort_returns_what_the_request_generated():
+    llm = make("radix-p1")
+    rid = llm.add_request(PROMPTS[0], GREEDY)
+    while not (llm.running and llm.running[0].output and len(llm.running[0].output) >= 3):
+        llm.step()
+    llm.abort(rid)
+    [out] = llm.step()
+    assert out.finish_reason == "abort" and len(out.token_ids) >= 3
+    assert out.token_ids == expected("radix-p1")[0][: len(out.token_ids)] and out.ttft == out.ttft  # not NaN
+    llm.check_idle()
+
+
+def test_a_fault_inside_abort_recovers_the_books():
+    llm = make("hash-b16")
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    llm.step()
+    llm.step()
+    FailOnce(llm.cache, "unlock", 1, Injected, after=True)
+    with pytest.raises(Injected):
+        llm.abort(rids[0])
+    outs = {}
+    while llm.has_unfinished():
+        outs |= {o.request_id: o for o in llm.step()}
+    assert [outs[r].token_ids for r in rids[1:]] == expected("hash-b16")[1:3]
+    llm.check_idle()
+
+
+def test_an_interrupt_during_recovery_keeps_the_outputs_that_finished():
+    llm = make("radix-p1")
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]  # prefilled together: they finish together
+    FailOnce(llm.scheduler, "finish", 2, Injected)
+    real_recover = llm.scheduler.recover
+
+    def recover_then_ctrl_c(*args, **kwargs):
+        real_recover(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    llm.scheduler.recover = recover_then_ctrl_c
+    outs = {}
+    with pytest.raises(KeyboardInterrupt):
+        while llm.has_unfinished():
+            outs |= {o.request_id: o for o in llm.step()}
+    llm.scheduler.recover = real_recover
+    while llm.has_unfinished():
+        for o in llm.step():
+            assert o.request_id not in outs
+            outs[o.request_id] = o
+    assert [outs[r].token_ids for r in rids] == expected("radix-p1")[:3]
+    llm.check_idle()
+
+
+def test_hash_v0_namespaces_with_equal_hashes_share_no_slot():
+    """hash(-1) == hash(-2) in CPython: v0 keyed by hash alone would put both requests on one block."""
+    llm = make("hash-v0-b4")
+    outs = []
+    for ns in (-1, -2, -1):
+        rid = llm.add_request(PROMPTS[2], GREEDY, namespace=ns)
+        while llm.has_unfinished():
+            outs += [o for o in llm.step() if o.request_id == rid]
+        llm.check_idle()
+    assert [o.num_cached_tokens for o in outs][1] == 0 and outs[2].num_cached_tokens > 0
+    assert all(o.token_ids == expected("hash-v0-b4")[2] for o in outs)
+
+
+def test_radix_keeps_no_root_for_a_namespace_that_got_nothing():
+    from radixkv import RadixCache
+
+    cache = RadixCache(page_size=4)
+    for ns in range(100):
+        assert cache.insert([1, 2], [0, 1], namespace=ns) == 0  # shorter than a page: nothing cached
+    assert list(cache._roots) == [None]
+    cache.check_invariants()

@@ -118,7 +118,7 @@ def test_parent_evicted_before_child_strands_the_child(cache, alloc):
     """v0's evictor ignores the tree: an older parent leaves first, its child stays but never matches."""
     tokens = list(range(8))
     cache.insert(tokens, alloc.alloc(8))
-    child = cache._blocks[cache.hash_of_block(tokens, 1)[0]]
+    child = cache._blocks[(cache.hash_of_block(tokens, 1)[0], None)]
     cache._clock += 1
     cache._touch([child])  # the child alone made more recent than its parent (no public call does that)
     alloc.free(cache.evict(1))
@@ -126,13 +126,14 @@ def test_parent_evicted_before_child_strands_the_child(cache, alloc):
     assert cache.match_prefix(tokens).length == 0  # the walk stops at the missing parent
     assert cache.to_dict()["children"] == []
     cache.check_invariants()
-    # Re-inserting the prefix revives the child: the cached copy stays, the caller's copy is spare.
+    # Re-inserting the prefix replaces the stranded child by the caller's copy (which the caller goes on
+    # using: it must never also be the cache's spare); the stranded copy's slots are spare.
     slots = alloc.alloc(8)
     assert cache.insert(tokens, slots) == 0
-    assert cache.match_prefix(tokens).indices.tolist() == slots[:4].tolist() + child.slots.tolist()
+    assert cache.match_prefix(tokens).indices.tolist() == slots.tolist()
     assert cache.total_size == 12 and cache.evictable_size == 12
     cache.check_invariants()
-    assert cache.evict(1).tolist() == slots[4:].tolist()  # spare slots leave first
+    assert cache.evict(1).tolist() == child.slots.tolist()  # spare slots leave first
     assert cache.match_prefix(tokens).length == 8
 
 

@@ -13,9 +13,9 @@ to pin down how the two differ:
   them). The flat ``hash -> block`` table still acts as a prefix tree, a key
   naming the path from the root.
 * **Collisions are trusted.** The hash is 64 bits and, as in v0, a lookup
-  never compares tokens: two prefixes with the same hash would share a block,
-  and the second request would silently attend to the first one's KV (wrong
-  outputs, no error). ``check_invariants`` only checks that each block's key
+  never compares tokens (namespaces it does, below): two prefixes with the
+  same hash would share a block, and the second request would silently
+  attend to the first one's KV (wrong outputs, no error). ``check_invariants`` only checks that each block's key
   is the hash of the prefix it stored.
 * Only full blocks are cached; a partial last block stays with the request.
 * **v0's evictor.** Among unlocked blocks (v0's ``ref_count == 0``) the least
@@ -24,7 +24,7 @@ to pin down how the two differ:
   before its child: the child stays in the table (and in ``total_size``) but
   can never be matched again, since a match walks from the first block and
   stops at the missing parent, until a later insert of the same prefix
-  revives it. v1 never strands a block that way (children first). With the
+  replaces it. v1 never strands a block that way (children first). With the
   access stamps below a child is never more recent than its parent (every
   access walks from the root), so through this API the stranding needs
   stamps set by hand; the evictor's rule is kept as v0 had it.
@@ -35,10 +35,12 @@ to pin down how the two differ:
   hash and, if that hash is cached already, frees the sequence's copy and uses
   the cached block. Here the engine inserts computed prefixes with ``insert``
   (``commit_prefix``/``release_sequence``), which returns how many leading
-  tokens were cached already: the caller frees its copies of those. A new
-  block whose hash is in the table past that leading run (a stranded child)
-  keeps the cached block, as v0's ``allocate(hash)`` does; the caller's copy
-  goes to a pile of spare slots that ``evict`` hands back first.
+  tokens were cached already: the caller frees its copies of those. A block
+  found in the table past that leading run (a stranded child) gives way to
+  the caller's copy, which the caller goes on using; its slots go to a pile
+  of spare slots that ``evict`` hands back first.
+* **Namespaces** are compared by equality (the table is keyed by hash and
+  namespace), where v0 trusted the hash alone: ``hash(-1) == hash(-2)``.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class HashV0Cache:
         for block in getattr(self, "_blocks", {}).values():
             block.cached = False
             block.lock_count = block.own_lock_count = 0
-        self._blocks: dict[int, V0Block] = {}
+        self._blocks: dict[tuple[int, Hashable], V0Block] = {}  # (key, namespace): namespaces by equality
         self._spare: list[np.ndarray] = []  # callers' copies of blocks the table already held (see insert)
         self._spare_tokens = 0
         self._heap: list[tuple[int, int, int, V0Block]] = []  # (last_access, -hashed tokens, seq, block), lazy
@@ -193,8 +195,8 @@ class HashV0Cache:
         self._clock += 1
         toks, hit = arr.tolist(), []
         for i in range(len(toks) // self.block_size):
-            block = self._blocks.get(self.hash_of_block(toks, i, namespace)[0])
-            if block is None or block.namespace != namespace:  # equal hashes, unequal namespaces: never shared
+            block = self._blocks.get((self.hash_of_block(toks, i, namespace)[0], namespace))
+            if block is None:
                 break
             block.hit_count += 1
             hit.append(block)
@@ -208,11 +210,12 @@ class HashV0Cache:
     def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
         """Cache every full block of ``tokens``; return how many leading tokens were cached already.
 
-        Never overwrites: the caller frees ``indices[k:returned]`` (k = what it
-        matched) as duplicates, and the cache takes the slots of the blocks
-        after that. A later block whose hash is already in the table (a
-        stranded child) stays as it is, and the caller's copy of it joins the
-        spare slots ``evict`` returns first. Every covered block is stamped.
+        The caller frees ``indices[k:returned]`` (k = what it matched) as
+        duplicates, and the cache takes the slots of the blocks after that. A
+        later block already in the table (a stranded child, which no lookup
+        reaches and no request holds) gives way to the caller's copy: its own
+        slots join the spare slots ``evict`` returns first, so the caller never
+        keeps a slot the cache also holds. Every covered block is stamped.
         O(L^2 / block_size) hashed tokens + O(blocks log n).
         """
         arr, idx = as_token_array(tokens), as_token_array(indices)
@@ -223,21 +226,16 @@ class HashV0Cache:
         covered, leading, parent = [], None, None
         for i in range(len(toks) // bs):
             key, prefix = self.hash_of_block(toks, i, namespace)
-            block = self._blocks.get(key)
-            if block is not None and block.namespace != namespace:  # (e.g. -1 and -2: hash(-1) == hash(-2))
-                leading = i if leading is None else leading
-                self._spare.extend(idx[i * bs : (len(toks) // bs) * bs].copy().reshape(-1, bs))
-                self._spare_tokens += (len(toks) // bs - i) * bs  # the rest is spare: it can never be matched
-                break
+            block = self._blocks.get((key, namespace))  # the namespace compared too: hash(-1) == hash(-2)
+            if block is not None and leading is not None:  # cached past a missing block: stranded
+                self._strand(block)
+                block = None
             if block is None:
                 if leading is None:
                     leading = i
                 block = V0Block(key, parent, namespace, prefix[-bs:], idx[i * bs : (i + 1) * bs].copy(), self._clock)
-                self._blocks[key] = block
+                self._blocks[(key, namespace)] = block
                 self._unlocked += 1
-            elif leading is not None:  # cached past a missing block: keep it, the caller's copy is spare
-                self._spare.append(idx[i * bs : (i + 1) * bs].copy())
-                self._spare_tokens += bs
             covered.append(block)
             parent = block
         self._touch(covered)
@@ -304,11 +302,20 @@ class HashV0Cache:
             if not self._live(seq, block):
                 continue
             block.cached = False
-            del self._blocks[block.key]
+            del self._blocks[(block.key, block.namespace)]
             self._unlocked -= 1
             freed.append(block.slots)
             count += self.block_size
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _strand(self, block: V0Block) -> None:
+        """Drop a stranded block (unlocked: its missing parent held no lock) for the caller's copy; its slots
+        join the spare ones."""
+        del self._blocks[(block.key, block.namespace)]
+        block.cached = False
+        self._unlocked -= 1
+        self._spare.append(block.slots)
+        self._spare_tokens += self.block_size
 
     def held_slots(self) -> np.ndarray:
         """Every slot index held: the cached blocks' (stranded ones included) and the spare slots. O(blocks)."""
@@ -359,24 +366,25 @@ class HashV0Cache:
 
         bs, locked, through = self.block_size, 0, {}
         for key, block in self._blocks.items():
-            require(block.key == key and block.cached, "table keys match their blocks", block)
+            require(key == (block.key, block.namespace) and block.cached, "table keys match their blocks", block)
             require(len(block.slots) == bs and block.slots.dtype == np.int64, "blocks are full int64 slots", block)
             prefix = block.prefix
             require(len(block.tokens) == bs and len(prefix) == block.num_hashed_tokens, "blocks hold whole blocks",
                     block)
-            require(hash((prefix, block.namespace)) == key, "key = hash((whole prefix, namespace))", block)
+            require(hash((prefix, block.namespace)) == block.key, "key = hash((whole prefix, namespace))", block)
             parent = None if len(prefix) == bs else hash((prefix[:-bs], block.namespace))
             require(block.parent_key == parent, "parent key = hash of the prefix one block shorter", block)
             require(block.lock_count >= 0 and block.own_lock_count >= 0, "lock counts >= 0", block)
             locked += block.lock_count > 0
             node, locks = block, block.own_lock_count
             while locks and node is not None:  # a locked chain is whole: its parents are cached
-                through[node.key] = through.get(node.key, 0) + locks
+                through[id(node)] = through.get(id(node), 0) + locks
                 parent_key = node.parent_key
-                node = None if parent_key is None else self._blocks.get(parent_key)
+                node = None if parent_key is None else self._blocks.get((parent_key, node.namespace))
                 require(parent_key is None or node is not None, "a locked block's parent is cached", block)
-        for key, block in self._blocks.items():
-            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through it", block)
+        for block in self._blocks.values():
+            require(block.lock_count == through.get(id(block), 0), "lock_count = own locks of the handles through it",
+                    block)
         require(locked == self._protected_blocks, "sizes: protected", (locked, self._protected_blocks))
         require(len(self._blocks) - locked == self._unlocked, "sizes: unlocked", (locked, self._unlocked))
         require(self._spare_tokens == sum(len(s) for s in self._spare), "sizes: spare slots")
@@ -390,7 +398,8 @@ class HashV0Cache:
 
     def stranded(self) -> int:
         """Cached blocks whose parent is not cached (never matchable until a re-insert revives them). O(blocks)."""
-        return sum(b.parent_key is not None and b.parent_key not in self._blocks for b in self._blocks.values())
+        return sum(b.parent_key is not None and (b.parent_key, b.namespace) not in self._blocks
+                   for b in self._blocks.values())
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The reachable blocks of one namespace as a tree of nested dicts (stranded blocks left out). O(blocks)."""

@@ -281,7 +281,9 @@ class RadixCache:
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
         now = self._clock
-        node = self._root_for(namespace, create=True)
+        node = self._root_for(namespace, create=bool(query))  # no root for a namespace that gets nothing
+        if node is None:
+            return 0
         pb, end, off = self._page_bytes, len(query), 0
         while off < end:
             child = node.children.get(query[off : off + pb])
@@ -386,8 +388,7 @@ class RadixCache:
         self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
-    def _drop_root(self, root: RadixNode) -> None:
-        """Forget a namespace that holds nothing any more. O(namespaces)."""
+    def _drop_root(self, root: RadixNode) -> None:  # a namespace that holds nothing: O(namespaces)
         del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
         self._root_ids.discard(id(root))
         self._old_root_ids.add(id(root))
@@ -396,8 +397,7 @@ class RadixCache:
         """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (whole pages)."""
         return num_tokens - num_tokens % self.page_size
 
-    def held_slots(self) -> np.ndarray:
-        """Every slot index the tree holds (locked or not), int64. O(total_size)."""
+    def held_slots(self) -> np.ndarray:  # every slot index the tree holds, locked or not: O(total_size)
         return np.concatenate([node.value for node in self._all_nodes()] + [_EMPTY])
 
     def unlock_all(self) -> None:

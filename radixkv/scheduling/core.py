@@ -192,13 +192,14 @@ class Scheduler:
             self.waiting.remove(s)
         s.reset()
 
-    def recover(self) -> None:
+    def recover(self, done: set[int] = frozenset()) -> None:
         """Rebuild the books after a failure anywhere in a step (any exception, between any two lines of
         ``schedule``, ``commit`` or ``finish``): keep every cache entry and drop every lock, free every slot
         the cache does not hold, and queue every unfinished request again, the running ones first in their
-        order, to be recomputed from what the cache holds. Nothing is lost or held twice, whatever the
-        records said. O(capacity + cache size)."""
-        queue = list(dict.fromkeys(s for s in self.running + self.waiting if not s.finished))
+        order, to be recomputed from what the cache holds; ``done`` names requests whose output is out
+        (dropped). Every lock is dropped, also one taken outside the scheduler. Nothing is lost or held
+        twice, whatever the records said. O(capacity + cache size)."""
+        queue = list(dict.fromkeys(s for s in self.running + self.waiting if not s.finished and s.rid not in done))
         for s in queue:
             s.reset()
         self.waiting, self.running, self.newly_admitted = queue, [], []
