@@ -1,0 +1,90 @@
+"""``radixkv serve MODEL [options]``: the OpenAI-compatible server (``python -m radixkv.serve MODEL`` too).
+
+    radixkv serve smollm2-135m --prefix-cache radix --port 8000
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
+
+Every engine option maps to an ``EngineConfig`` field and is validated the same way (a bad value is one
+line on stderr and exit status 2). ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` are
+vLLM's spellings (the latter is ``--prefix-cache none``). It listens on 127.0.0.1 unless ``--host`` says
+otherwise. SIGINT or SIGTERM: it stops accepting, aborts what is running, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
+
+ENGINE_FLAGS = ("page_size", "block_size", "kv_cache_tokens", "eviction_policy", "schedule_policy",
+                "max_batch_tokens", "chunked_prefill_size", "max_running", "dtype", "attention_backend", "seed")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixkv serve", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="a built-in name (smollm2-135m, tiny-random, ...), a HF directory or a .gguf file")
+    p.add_argument("--prefix-cache", default="radix", choices=PREFIX_CACHES)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's spelling: --no-enable-prefix-caching is --prefix-cache none")
+    defaults = EngineConfig()
+    for name in ENGINE_FLAGS:
+        kind = str if name in ("eviction_policy", "schedule_policy", "dtype", "attention_backend") else int
+        choices = DTYPES if name == "dtype" else ATTENTION_BACKENDS if name == "attention_backend" else None
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name), choices=choices)
+    p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def build(args: argparse.Namespace):
+    """The app and its engine for parsed arguments (``ValueError`` for a bad setting or model)."""
+    from radixkv.engine import LLM
+    from radixkv.serving.app import build_app
+    from radixkv.serving.async_llm import AsyncLLM
+
+    settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    llm = LLM(args.model, prefix_cache=args.prefix_cache, enable_prefix_caching=args.enable_prefix_caching,
+              **settings)
+    engine = AsyncLLM(llm)
+    return build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
+                     default_max_tokens=args.default_max_tokens), engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import uvicorn
+
+    try:
+        app, engine = build(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # running streams end now, not at the graceful timeout
+            engine.abort_all()
+            super().handle_exit(sig, frame)
+            # a requested stop ends with status 0: uvicorn (0.30+) would raise the signal again after shutdown
+            getattr(self, "_captured_signals", []).clear()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    Server(config).run()
+    return 0
+
+
+def cli() -> None:
+    """The ``radixkv`` console script: ``radixkv serve MODEL [options]``."""
+    argv = sys.argv[1:]
+    if not argv or argv[0] != "serve":
+        print("usage: radixkv serve MODEL [options]   (radixkv serve --help)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""``AsyncLLM``: the engine behind an asyncio front, one loop owning the ``LLM``.
+
+One engine loop runs steps while there is work and, between steps, admits the requests that arrived and
+applies the aborts that came (continuous batching of online arrivals). Every call into the ``LLM`` happens
+on that loop's one worker thread; the asyncio side only queues work and reads the deltas it is sent:
+
+    engine = AsyncLLM(LLM("tiny-random"))
+    async for delta in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), "req-1"):
+        print(delta.token_ids, delta.finish_reason)
+
+A delta carries the tokens sampled since the previous one and their text; the last one has
+``finish_reason`` set (``stop``, ``length``, ``abort`` or ``error``). Closing the generator early (a
+client that went away) aborts the request. A step that fails (see the engine's fault contract) queues its
+requests again; tokens already sent are not sent twice, as the recomputed ones are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from radixkv.config import SamplingParams
+from radixkv.engine import LLM, EngineStalledError
+
+
+@dataclass
+class Delta:
+    """What one request gained since its last delta. ``text`` is complete UTF-8 only (a token that ends
+    inside a character waits for the next)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request as the loop tracks it: where its deltas go and how much was sent."""
+
+    request_id: str
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    stop: tuple[str, ...] = ()
+    engine_id: int = -1
+    sent: int = 0  # tokens sent so far
+    text: str = ""  # their text
+    done: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class AsyncLLM:
+    """An ``LLM`` served from asyncio; see the module docstring. ``on_step(llm, seconds)`` is called on the
+    engine thread after each step (the server's gauges)."""
+
+    def __init__(self, llm: LLM, on_step=None):
+        self.llm = llm
+        self.on_step = on_step
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixkv-engine")
+        self._lock = threading.Lock()
+        self._inbox: list[tuple] = []  # ("add", stream, ids, params, fut) | ("abort", name) | ("call", fn, fut)
+        self._streams: dict[int, _Stream] = {}  # engine id -> stream
+        self._by_name: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- the asyncio side
+    async def start(self) -> None:
+        """Start the engine loop on the running event loop (``generate`` starts it when needed)."""
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, stop: Sequence[str] = ()) -> AsyncIterator[Delta]:
+        """Queue one request of token ids and yield its deltas until it finishes. Bad input raises
+        ``ValueError`` before anything is yielded; ``stop`` strings end it (``finish_reason="stop"``)."""
+        await self.start()
+        request_id = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, asyncio.Queue(), loop, tuple(s for s in stop if s))
+        admitted = loop.create_future()
+        self._post(("add", stream, list(prompt), params or SamplingParams(), admitted))
+        await admitted  # ValueError from add_request comes out here
+        try:
+            while True:
+                delta = await stream.queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if not stream.done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (applied by the loop before its next step); unknown ids are ignored. Thread-safe."""
+        self._post(("abort", request_id))
+
+    async def call(self, fn):
+        """Run ``fn(llm)`` on the engine thread between steps (e.g. flush the cache, read its stats)."""
+        await self.start()
+        done = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, done))
+        return await done
+
+    def abort_all(self) -> None:
+        with self._lock:
+            names = list(self._by_name)
+        for name in names:
+            self.abort(name)
+
+    async def shutdown(self) -> None:
+        """Abort everything, stop the loop and its thread."""
+        self.abort_all()
+        self._closed = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    def _post(self, item: tuple) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        if self._wake is not None and self._task is not None:
+            self._task.get_loop().call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            with self._lock:
+                idle = not self._inbox
+            if idle and not self.llm.has_unfinished():
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            await loop.run_in_executor(self._executor, self._turn)
+        await loop.run_in_executor(self._executor, self._turn)  # the last aborts
+
+    # ------------------------------------------------------------- the engine thread
+    def _turn(self) -> None:
+        """Apply what arrived, run one step, send the deltas."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            self._apply(item)
+        if not self.llm.has_unfinished() or self._closed:
+            return
+        t0 = time.perf_counter()
+        try:
+            finished = self.llm.step()
+        except EngineStalledError as e:  # nothing can ever run: fail what waits instead of spinning
+            for s in list(self.llm.waiting):
+                self._fail(self._streams.get(s.rid), str(e))
+            return
+        except Exception:  # the step was rolled back and its requests queued again (the fault contract)
+            return
+        for s in self.llm.running:
+            if s.rid in self._streams:
+                self._progress(self._streams[s.rid], s.output, s.prompt, max(s.hit, 0))
+        for out in finished:
+            stream = self._streams.pop(out.request_id, None)
+            if stream is not None:
+                self._finish(stream, out)
+        if self.on_step is not None:
+            self.on_step(self.llm, time.perf_counter() - t0)
+
+    def _apply(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, stream, ids, params, admitted = item
+            try:
+                stream.engine_id = self.llm.add_request(ids, params)
+            except Exception as e:  # ValueError for bad input: the caller gets it, nothing is queued
+                stream.loop.call_soon_threadsafe(_settle, admitted, None, e)
+                return
+            self._streams[stream.engine_id] = stream
+            with self._lock:
+                self._by_name[stream.request_id] = stream
+            stream.loop.call_soon_threadsafe(_settle, admitted, True, None)
+        elif kind == "abort":
+            stream = self._by_name.get(item[1])
+            if stream is not None and not stream.done:
+                self.llm.abort(stream.engine_id)  # its output comes back from the next step
+        else:
+            _, fn, done = item
+            try:
+                result, error = fn(self.llm), None
+            except Exception as e:
+                result, error = None, e
+            done.get_loop().call_soon_threadsafe(_settle, done, result, error)
+
+    def _progress(self, stream: _Stream, output: list[int], prompt: list[int], cached: int) -> None:
+        """Send the tokens past ``stream.sent`` (after a recompute, none until it gets past them again)."""
+        if len(output) <= stream.sent or stream.done:
+            return
+        new = output[stream.sent :]
+        text = self._text(output)
+        delta_text, stop_at = text[len(stream.text) :], _first_stop(text, stream.stop, len(stream.text))
+        if stop_at is not None:  # a stop string: the text ends before it, and so does the request
+            delta_text = text[len(stream.text) : stop_at]
+            self._send(stream, Delta(stream.request_id, new, delta_text, len(prompt), cached, len(output), "stop"))
+            self.llm.abort(stream.engine_id)
+            return
+        if delta_text.endswith("\ufffd"):  # a character cut in two: wait for its other bytes
+            delta_text = delta_text.rstrip("\ufffd")
+        stream.sent, stream.text = len(output), stream.text + delta_text
+        self._send(stream, Delta(stream.request_id, new, delta_text, len(prompt), cached, len(output)))
+
+    def _finish(self, stream: _Stream, out) -> None:
+        if stream.done:  # ended by a stop string: the abort's output closes nothing more
+            return
+        self._progress(stream, out.token_ids, out.prompt_token_ids, out.num_cached_tokens)
+        if stream.done:
+            return
+        tail = self._text(out.token_ids)[len(stream.text) :] if out.token_ids else ""
+        self._send(stream, Delta(stream.request_id, out.token_ids[stream.sent :], tail, out.num_prompt_tokens,
+                                 out.num_cached_tokens, len(out.token_ids), out.finish_reason, out.error))
+
+    def _fail(self, stream: _Stream | None, message: str) -> None:
+        if stream is None or stream.done:
+            return
+        self.llm.abort(stream.engine_id)
+        self._send(stream, Delta(stream.request_id, [], "", 0, 0, stream.sent, "error", message))
+
+    def _send(self, stream: _Stream, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            stream.done = True
+            self._streams.pop(stream.engine_id, None)
+            with self._lock:
+                self._by_name.pop(stream.request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    def _text(self, ids: list[int]) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
+
+
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Where the first stop string begins in ``text``, searching what is new since ``start``."""
+    hits = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

@@ -1,0 +1,71 @@
+"""The OpenAI request bodies the server takes (pydantic), their sampling parameters, and OpenAI-style errors.
+
+Fields follow the OpenAI API, with vLLM's choices where it is silent: ``top_k``, ``ignore_eos`` and
+``min_tokens`` are accepted extras (``min_tokens`` above 0 is refused: not supported), ``n`` must be 1,
+``stop`` holds strings. Unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from radixkv.config import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = -1
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    return_token_ids: StrictBool = False  # vLLM's extra: the prompt's and the completion's token ids
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's parameters (``ValueError`` for what it refuses)."""
+        if self.n != 1:
+            raise ValueError("n must be 1: one completion per request")
+        if self.min_tokens:
+            raise ValueError("min_tokens is not supported (only 0)")
+        return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos)
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[StrictInt] | list[list[StrictInt]] | list[str]
+    echo: StrictBool = False
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
