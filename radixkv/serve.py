@@ -47,9 +47,8 @@ def build(args: argparse.Namespace):
     from radixkv.serving.async_llm import AsyncLLM
 
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    llm = LLM(args.model, prefix_cache=args.prefix_cache, enable_prefix_caching=args.enable_prefix_caching,
-              **settings)
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(lambda: LLM(args.model, prefix_cache=args.prefix_cache,  # built on the engine's thread
+                                  enable_prefix_caching=args.enable_prefix_caching, **settings))
     return build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
                      default_max_tokens=args.default_max_tokens), engine
 

@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -60,12 +60,18 @@ class _Stream:
 
 class AsyncLLM:
     """An ``LLM`` served from asyncio; see the module docstring. ``on_step(llm, seconds)`` is called on the
-    engine thread after each step (the server's gauges)."""
+    engine thread after each step (the server's gauges).
 
-    def __init__(self, llm: LLM, on_step=None):
-        self.llm = llm
-        self.on_step = on_step
+    ``llm`` is an ``LLM`` or a function that builds one: then it is built on the engine thread, which is
+    faster on a CPU. Every torch call then runs on one thread, with one OpenMP team; an engine built on
+    another thread leaves a second team, and with more OpenMP threads than cores libgomp stops spinning
+    between parallel regions: steps were 25% slower on 2 cores (docs/serving.md).
+    """
+
+    def __init__(self, llm: LLM | Callable[[], LLM], on_step=None):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixkv-engine")
+        self.llm = llm if isinstance(llm, LLM) else self._executor.submit(llm).result()
+        self.on_step = on_step
         self._lock = threading.Lock()
         self._inbox: list[tuple] = []  # ("add", stream, ids, params, fut) | ("abort", name) | ("call", fn, fut)
         self._streams: dict[int, _Stream] = {}  # engine id -> stream
