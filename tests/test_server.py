@@ -176,6 +176,12 @@ def test_chat_completions_through_the_template():
                                            stream=True)
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text == out.choices[0].message.content
+        full = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                    temperature=0).choices[0].text
+        stop = full.strip()[2:5]  # a string from the middle of the answer: the text ends before it
+        cut = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                   temperature=0, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
         idle(app)
 
 
