@@ -9,7 +9,7 @@ import sys
 import pytest
 
 TORCH_FREE = ["radixkv", "radixkv.cache", "radixkv.sim", "radixkv.workloads", "radixkv.scheduling",
-              "radixkv.config", "radixkv.checks"]
+              "radixkv.config", "radixkv.checks", "radixkv.routing"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
