@@ -207,12 +207,14 @@ class AsyncLLM:
                 result, error = None, e
             done.get_loop().call_soon_threadsafe(_settle, done, result, error)
 
-    def _progress(self, stream: _Stream, output: list[int], prompt: list[int], cached: int) -> None:
-        """Send the tokens past ``stream.sent`` (after a recompute, none until it gets past them again)."""
+    def _progress(self, stream: _Stream, output: list[int], prompt: list[int], cached: int,
+                  text: str | None = None) -> None:
+        """Send the tokens past ``stream.sent`` (after a recompute, none until it gets past them again).
+        ``text``: the output's text where the engine already decoded it (a finished request)."""
         if len(output) <= stream.sent or stream.done:
             return
         new = output[stream.sent :]
-        text = self._text(output)
+        text = self._text(output) if text is None else text
         delta_text, stop_at = text[len(stream.text) :], _first_stop(text, stream.stop, len(stream.text))
         if stop_at is not None:  # a stop string: the text ends before it, and so does the request
             delta_text = text[len(stream.text) : stop_at]
@@ -227,10 +229,10 @@ class AsyncLLM:
     def _finish(self, stream: _Stream, out) -> None:
         if stream.done:  # ended by a stop string: the abort's output closes nothing more
             return
-        self._progress(stream, out.token_ids, out.prompt_token_ids, out.num_cached_tokens)
+        self._progress(stream, out.token_ids, out.prompt_token_ids, out.num_cached_tokens, out.text)
         if stream.done:
             return
-        tail = self._text(out.token_ids)[len(stream.text) :] if out.token_ids else ""
+        tail = out.text[len(stream.text) :]  # decoded once, by the engine
         self._send(stream, Delta(stream.request_id, out.token_ids[stream.sent :], tail, out.num_prompt_tokens,
                                  out.num_cached_tokens, len(out.token_ids), out.finish_reason, out.error))
 
