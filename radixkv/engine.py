@@ -234,16 +234,7 @@ class LLM:
         earlier with ``add_request`` share its batches; those that finish
         meanwhile are returned by the next ``step()``.
         """
-        if isinstance(prompts, bytes | bytearray | set | frozenset | dict | Integral) or not (
-                isinstance(prompts, str | Sequence) or hasattr(prompts, "ndim")):
-            raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
-        if isinstance(prompts, str) or _is_token_list(prompts):
-            prompts = [prompts]
-        one = sampling_params is None or isinstance(sampling_params, SamplingParams)
-        params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        params = [_sampling_params(sp) for sp in params]
+        prompts, params = batch_arguments(prompts, sampling_params)
         checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
         rids: list[int] = []
         mine: set[int] = set()
@@ -428,6 +419,21 @@ class LLM:
         if bad:
             raise ValueError(f"token ids must be integers, got {bad[:5]}")
         return [int(t) for t in ids]
+
+
+def batch_arguments(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    """``generate``'s arguments as two lists of the same length: one prompt (text or token ids) or a list of
+    them, and one ``SamplingParams`` for all or one each (``ValueError`` otherwise)."""
+    if isinstance(prompts, bytes | bytearray | set | frozenset | dict | Integral) or not (
+            isinstance(prompts, str | Sequence) or hasattr(prompts, "ndim")):
+        raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
+    if isinstance(prompts, str) or _is_token_list(prompts):
+        prompts = [prompts]
+    one = sampling_params is None or isinstance(sampling_params, SamplingParams)
+    params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    return list(prompts), [_sampling_params(sp) for sp in params]
 
 
 def _sampling_params(params: object) -> SamplingParams:

@@ -7,11 +7,17 @@ Every engine option maps to an ``EngineConfig`` field and is validated the same 
 line on stderr and exit status 2). ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` are
 vLLM's spellings (the latter is ``--prefix-cache none``). It listens on 127.0.0.1 unless ``--host`` says
 otherwise. SIGINT or SIGTERM: it stops accepting, aborts what is running, and exits 0.
+
+``--replicas N`` (N > 1) serves N engines as Ray actors, each request sent to the one ``--router`` picks
+(``radixkv.routing``; ``radixkv.serving.replicas``), on a Ray cluster started on this machine or joined
+at ``--ray-address``; it needs Ray (``pip install 'radixkv[ray]'``). ``--replicas 1`` is the one
+in-process engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
@@ -37,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--replicas", type=int, default=1, help="engines behind a router, as Ray actors when > 1")
+    p.add_argument("--router", default="round_robin", help="which replica serves a request (radixkv.routing)")
+    p.add_argument("--router-params", type=json.loads, default=None,
+                   help='the router\'s parameters as JSON, e.g. \'{"block_size": 16}\' for kv_events')
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one here)")
+    p.add_argument("--cpus-per-replica", type=int, default=1, help="Ray CPUs and torch threads per replica")
     return p
 
 
@@ -47,10 +59,24 @@ def build(args: argparse.Namespace):
     from radixkv.serving.async_llm import AsyncLLM
 
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    engine = AsyncLLM(lambda: LLM(args.model, prefix_cache=args.prefix_cache,  # built on the engine's thread
-                                  enable_prefix_caching=args.enable_prefix_caching, **settings))
+    if args.replicas != 1:
+        engine = _cluster_engine(args, settings)
+    else:
+        engine = AsyncLLM(lambda: LLM(args.model, prefix_cache=args.prefix_cache,  # built on the engine's thread
+                                      enable_prefix_caching=args.enable_prefix_caching, **settings))
     return build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
                      default_max_tokens=args.default_max_tokens), engine
+
+
+def _cluster_engine(args: argparse.Namespace, settings: dict):
+    """``--replicas N``: a ``ClusterEngine`` (``ValueError`` for a bad count or router, before Ray starts)."""
+    try:
+        from radixkv.serving.replicas import ClusterEngine
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    return ClusterEngine(args.model, args.replicas, args.router, address=args.ray_address,
+                         router_params=args.router_params, num_cpus_per_replica=args.cpus_per_replica,
+                         prefix_cache=args.prefix_cache, enable_prefix_caching=args.enable_prefix_caching, **settings)
 
 
 def main(argv: list[str] | None = None) -> int:

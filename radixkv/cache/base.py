@@ -14,6 +14,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from radixkv.cache.events import CacheListener
+
 # Anything that holds integer token ids: list, tuple, numpy array, torch tensor.
 TokenSeq = Sequence[int] | np.ndarray | Any
 
@@ -46,9 +48,13 @@ class PrefixCache(Protocol):
 
     ``held_slots`` (every slot index the cache holds) and ``unlock_all`` (drop every lock, keep every
     entry) let a caller rebuild its books after a failure in the middle of a step (``Scheduler.recover``).
+
+    ``listener`` (None by default, kept across ``reset``) is called with a :mod:`radixkv.cache.events` event
+    each time blocks join the cache, leave it, or all go at once; with None the cache builds no event.
     """
 
     caches_during_decode: bool
+    listener: CacheListener | None
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult: ...
 

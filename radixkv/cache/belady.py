@@ -81,16 +81,6 @@ class BeladyRadixCache(RadixCache):
         self.eviction_policy = "belady"
         self._priority = self._farthest_first
 
-    def reset(self) -> None:
-        super().reset()
-        self._namespace_of: dict[int, Hashable] = {id(self.root): None}
-
-    def _root_for(self, namespace: Hashable, create: bool) -> RadixNode | None:
-        root = super()._root_for(namespace, create)
-        if root is not None:
-            self._namespace_of[id(root)] = namespace
-        return root
-
     def _farthest_first(self, node: RadixNode) -> float:
         parts = [node.key[: self._page_bytes]]
         walk = node.parent

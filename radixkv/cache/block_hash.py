@@ -111,6 +111,10 @@ class BlockHasher:
         for slot in [slot for slot in self._memo if slot[0] == seed]:
             del self._memo[slot]
 
+    def owner(self, seed: BlockKey) -> Hashable:
+        """The namespace a held seed belongs to. O(1)."""
+        return self._owners[seed]
+
     def seeds(self) -> list[BlockKey]:
         """The held seeds: the roots the cached chains hang from. O(namespaces)."""
         return list(self._seeds.values())

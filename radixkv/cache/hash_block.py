@@ -18,17 +18,20 @@ The baseline radixkv compares the radix tree against, following vLLM v1's
 * Unlike vLLM, identical blocks computed concurrently are deduplicated at
   ``insert`` (the second copy's slots go back to the caller as duplicates),
   as the radix tree does, so both caches hold the same memory for the same content.
+* Events (:mod:`radixkv.cache.events`) name blocks by their keys: an insert's new blocks are one
+  ``BlockStored``, each evicted block a ``BlockRemoved`` (its namespace found from its chain's seed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache import events, invariants, render
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, as_token_array
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.eviction import get_policy
 from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
@@ -36,8 +39,6 @@ from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
 _EMPTY = np.zeros(0, dtype=np.int64)
 _LOCK_COUNT = attrgetter("lock_count")
 _HAS_CHILDREN = attrgetter("num_children")
-
-Require = Callable[[bool, str, object], None]
 
 
 class Block:
@@ -122,6 +123,7 @@ class HashBlockCache:
         self._priority = get_policy(eviction_policy)
         self.hash_algo = hash_algo
         self.eviction_policy = eviction_policy
+        self.listener: events.CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
     @property
@@ -147,6 +149,8 @@ class HashBlockCache:
         for seed in self._keys.seeds():
             self._keys.release(seed)
         self.root = BlockChain(())
+        if self.listener is not None:
+            self.listener(events.AllBlocksCleared())
 
     # ------------------------------------------------------------- sizes
     @property
@@ -282,6 +286,10 @@ class HashBlockCache:
         if requeue:
             self._queue.remove_many(requeue)
         self._queue.push_reversed(requeue + new)
+        if self.listener is not None:  # the new blocks are one chain below keys[leading - 1]
+            tokens = np.frombuffer(data[leading * step : len(keys) * step], dtype=LE_INT64).tolist()
+            self.listener(events.BlockStored(tuple(keys[leading:]), keys[leading - 1] if leading else None,
+                                             tuple(tokens), bs, namespace))
 
     def lock(self, node: BlockChain) -> None:
         """Lock every block of the handle (taking unlocked ones out of the free queue). O(blocks in the handle).
@@ -337,10 +345,13 @@ class HashBlockCache:
         """
         freed, count = [], 0
         blocks, queue = self._blocks, self._queue
+        namespaces: dict[BlockKey, Hashable] = {}  # for events: key -> namespace, of this call's walks
         while count < num_tokens:
             block = queue.pop()
             if block is None:
                 break
+            if self.listener is not None:
+                self.listener(events.BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
             block.cached = False
             del blocks[block.key]
             freed.append(block.slots)
@@ -353,6 +364,18 @@ class HashBlockCache:
             else:  # a first block: its namespace's seed goes with the last one
                 self._release_seed(block.parent_key)
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _namespace_of(self, block: Block, known: dict[BlockKey, Hashable]) -> Hashable:
+        """The namespace of a cached block (for events), from its chain's seed. O(depth), O(1) once ``known``
+        holds its parent: evict walks a chain once, children first, recording every key it passes."""
+        path, key = [], block.parent_key
+        while key not in known and key in self._blocks:
+            path.append(key)
+            key = self._blocks[key].parent_key
+        namespace = known[key] if key in known else self._keys.owner(key)
+        for key in path:
+            known[key] = namespace
+        return namespace
 
     def _own(self, node: object, verb: str) -> tuple[Block, ...]:
         """The handle's blocks, or ``LockError`` for a handle of another cache or with an evicted block."""
@@ -394,106 +417,18 @@ class HashBlockCache:
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
         """Verify every invariant; raise ``AssertionError`` naming the broken one. O(blocks + locked x depth)."""
-
-        def require(ok: bool, name: str, detail: object = "") -> None:
-            if not ok:  # the detail (often a block) is formatted only on failure: this runs per block
-                raise AssertionError(f"HashBlockCache invariant '{name}' broken: {detail!r}")
-
-        locked = 0
-        children: dict[BlockKey, list[Block]] = {}
-        for key, block in self._blocks.items():
-            require(block.key == key and block.cached, "map keys match their blocks", block)
-            require(len(block.slots) == self.block_size == len(block.tokens) // 8 and block.slots.dtype == np.int64,
-                    "blocks are full, their indices int64", block)
-            require(block.lock_count >= 0, "lock counts >= 0", block)
-            require(self._hash(block.parent_key, block.tokens) == key, "key = H(parent key, tokens)", block)
-            require((block in self._queue) == (block.lock_count == 0), "free queue holds exactly the unlocked blocks",
-                    block)
-            locked += block.lock_count > 0
-            children.setdefault(block.parent_key, []).append(block)
-        self._check_tree(require, children)
-        self._check_lock_counts(require)
-        self._check_children_first(require)
-        require(len(self._queue) == len(self._blocks) - locked, "free queue size")
-        require(locked == self._protected_blocks, "sizes: protected",
-                f"counted {locked} blocks, recorded {self._protected_blocks}")
-        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        require(all_unique(self.held_slots()), "slot indices unique across the cache")
-
-    def _check_tree(self, require: Require, children: dict[BlockKey, list[Block]]) -> None:
-        """Every cached block hangs from a namespace's seed through cached blocks. O(blocks)."""
-        reached, stack = 0, self._keys.seeds()
-        while stack:
-            for block in children.get(stack.pop(), ()):
-                reached += 1
-                stack.append(block.key)
-        require(reached == len(self._blocks), "every block is reachable from its root",
-                f"{len(self._blocks) - reached} cached blocks hang from a block that is not cached")
-        for key, block in self._blocks.items():
-            require(block.num_children == len(children.get(key, ())), "child counts", block)
-
-    def _check_lock_counts(self, require: Require) -> None:
-        """Each block's lock_count is the sum of the own locks of the chains through it. O(locked handles * depth)."""
-        through: dict[BlockKey, int] = {}
-        for block in self._blocks.values():
-            require(block.own_lock_count >= 0, "own lock counts >= 0", block)
-            key, locks = block.key, block.own_lock_count
-            while locks and key in self._blocks:
-                through[key] = through.get(key, 0) + locks
-                key = self._blocks[key].parent_key
-        for key, block in self._blocks.items():
-            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through the block",
-                    block)
-
-    def _check_children_first(self, require: Require) -> None:
-        """``evict`` takes a block only after its cached children. O(blocks).
-
-        ``lru``: every queued block is ahead of its parent, so the head has no
-        cached child. Others: ``pop`` passes over a block with children, so
-        every unlocked leaf block must be ranked, or evict could get stuck.
-        """
-        if self._queue.ranks_by_stats:
-            ranked = self._queue.ranked()
-            for block in self._blocks.values():
-                if not block.lock_count and not block.num_children:
-                    require(block in ranked, "every unlocked leaf block is ranked", block)
-            return
-        position = {block: i for i, block in enumerate(self._queue)}
-        for block, i in position.items():
-            parent = self._blocks.get(block.parent_key)
-            if parent in position:
-                require(position[parent] > i, "children before parents in the free queue", block)
+        invariants.check_hash_block(self)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""
-        children: dict[BlockKey, list[Block]] = {}
-        for block in self._blocks.values():
-            children.setdefault(block.parent_key, []).append(block)
-
-        def walk(block: Block) -> dict[str, Any]:
-            return {"tokens": np.frombuffer(block.tokens, dtype=LE_INT64).tolist(), "indices": block.slots.tolist(),
-                    "lock_count": block.lock_count, "last_access": block.last_access, "hit_count": block.hit_count,
-                    "children": [walk(c) for c in children.get(block.key, [])]}
-
-        return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
-                "children": [walk(b) for b in children.get(self._keys.seed(namespace), [])]}
+        return render.hash_block_to_dict(self, namespace)
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's block tree plus queue statistics. O(blocks)."""
-        lines = [
+        return render.draw_block_tree(
             f"HashBlockCache(block_size={self.block_size}, hash={self.hash_algo}, policy={self.eviction_policy}) "
             f"blocks={self.num_blocks} free_queue={len(self._queue)} total={self.total_size} "
-            f"evictable={self.evictable_size} protected={self.protected_size}"
-        ]
-
-        def walk(node: dict[str, Any], depth: int) -> None:
-            for child in node["children"]:
-                toks = " ".join(map(str, child["tokens"][:12])) + (" ..." if len(child["tokens"]) > 12 else "")
-                lines.append(f"{'  ' * depth}[{toks}] lock={child['lock_count']} hits={child['hit_count']}")
-                walk(child, depth + 1)
-
-        walk(self.to_dict(), 1)
-        return "\n".join(lines)
+            f"evictable={self.evictable_size} protected={self.protected_size}", self.to_dict())
 
     def __repr__(self) -> str:
         return (f"HashBlockCache(block_size={self.block_size}, hash_algo={self.hash_algo!r}, "

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.cache.base import MatchResult, TokenSeq, as_token_array
+from radixkv.cache.events import CacheListener
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -26,6 +27,7 @@ class NoPrefixCache:
 
     def __init__(self) -> None:
         self.root = ()
+        self.listener: CacheListener | None = None  # the protocol's attribute; nothing is ever cached, so never called
         self.reset()
 
     def reset(self) -> None:

@@ -15,6 +15,9 @@ Design notes, because they decide the speed:
   its priority changes while it is one; stale entries are dropped when they surface, and the heap is
   rebuilt from the live ones past 2 x nodes + 64 entries: O(log n) amortized per push or pop.
 * The tree never frees memory; ``evict`` returns slot indices to the caller.
+* Events (:mod:`radixkv.cache.events`) are per page: an insert's new leaf is one ``BlockStored``, an evicted
+  leaf one ``BlockRemoved``; a split changes no page, so it says nothing. A page's hash is a prefix hash
+  chained from the namespace's seed; each node keeps the state at its end once a listener needed it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache import events, invariants, render
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, as_token_array
 from radixkv.cache.eviction import get_policy
 
 _ITEM = 8  # bytes per token id (int64)
@@ -46,7 +50,7 @@ class RadixNode:
 
     __slots__ = (
         "key", "value", "children", "parent", "lock_count", "own_lock_count",
-        "last_access", "hit_count", "created", "stamp",
+        "last_access", "hit_count", "created", "stamp", "prefix_state",
     )
 
     def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
@@ -60,6 +64,7 @@ class RadixNode:
         self.hit_count = 0
         self.created = now
         self.stamp = -1  # sequence number of this node's newest heap entry
+        self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
 
     @property
     def tokens(self) -> np.ndarray:
@@ -110,6 +115,7 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self._priority = get_policy(eviction_policy)
         self._page_bytes = _ITEM * self.page_size
+        self.listener: events.CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -119,6 +125,7 @@ class RadixCache:
         self._seq = 0
         self.root = RadixNode(b"", _EMPTY, None, 0)
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
+        self._namespace_of: dict[int, Hashable] = {id(self.root): None}  # id(root) -> its namespace
         self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
         self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
         self._heap: list[tuple[float, int, RadixNode]] = []
@@ -127,6 +134,8 @@ class RadixCache:
         self._protected = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
+        if self.listener is not None:
+            self.listener(events.AllBlocksCleared())
 
     @property
     def total_size(self) -> int:
@@ -224,6 +233,7 @@ class RadixCache:
         if root is None and create:
             root = self._roots[namespace] = RadixNode(b"", _EMPTY, None, 0)
             self._root_ids.add(id(root))
+            self._namespace_of[id(root)] = namespace
         return root
 
     # ----------------------------------------------------------------- public
@@ -304,6 +314,8 @@ class RadixCache:
             self._num_nodes += 1
             self._total += stop - start
             self._push(leaf)
+            if self.listener is not None:
+                self._stored(node, leaf, namespace)
         elif node.parent is not None and not node.children and node.lock_count == 0:
             self._push(node)  # fully cached: its recency changed
         return off // _ITEM
@@ -376,6 +388,8 @@ class RadixCache:
                 continue
             node = entry[2]
             parent = node.parent
+            if self.listener is not None:
+                self._removed(node)  # while it still hangs from its path
             del parent.children[node.key[:pb]]
             node.parent = None
             freed.append(node.value)
@@ -388,8 +402,8 @@ class RadixCache:
         self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
-    def _drop_root(self, root: RadixNode) -> None:  # a namespace that holds nothing: O(namespaces)
-        del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
+    def _drop_root(self, root: RadixNode) -> None:  # a namespace that holds nothing: O(1)
+        del self._roots[self._namespace_of.pop(id(root))]
         self._root_ids.discard(id(root))
         self._old_root_ids.add(id(root))
 
@@ -408,6 +422,39 @@ class RadixCache:
                 self._push(node)
         self._protected = 0
 
+    # ----------------------------------------------------------------- events
+    def _state_at(self, node: RadixNode) -> int:
+        """The page-hash state at the end of ``node``'s edge (a root: its namespace's seed). Computed once per
+        node and kept (a split leaves the lower node's end, so its state, as it was). O(tokens of the path's
+        nodes without one)."""
+        path = []
+        while node.prefix_state is None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        if node.prefix_state is None:  # a root
+            node.prefix_state = events.namespace_seed(self._namespace_of[id(node)])
+        state = node.prefix_state
+        for below in reversed(path):
+            state = below.prefix_state = int(events.page_states(state, below.tokens, self.page_size)[-1])
+        return state
+
+    def _stored(self, parent: RadixNode, leaf: RadixNode, namespace: Hashable) -> None:
+        """Tell the listener about a new leaf's pages. O(depth + leaf tokens)."""
+        start = self._state_at(parent)
+        states = events.page_states(start, leaf.tokens, self.page_size)
+        leaf.prefix_state = int(states[-1])
+        first_parent = None if parent.parent is None else events.block_hash(start)
+        self.listener(events.BlockStored(events.block_hashes(states), first_parent, tuple(leaf.tokens.tolist()),
+                                         self.page_size, namespace))
+
+    def _removed(self, leaf: RadixNode) -> None:
+        """Tell the listener about an evicted leaf's pages (the whole leaf goes). O(depth + leaf tokens)."""
+        root = leaf.parent
+        while root.parent is not None:
+            root = root.parent
+        states = events.page_states(self._state_at(leaf.parent), leaf.tokens, self.page_size)
+        self.listener(events.BlockRemoved(events.block_hashes(states), self._namespace_of[id(root)]))
+
     # ------------------------------------------------------------- inspection
     def _all_nodes(self):
         stack = list(self._roots.values())
@@ -419,79 +466,15 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise ``AssertionError`` naming the broken one. O(N + tokens)."""
-
-        def require(ok: bool, name: str, detail: object = "") -> None:
-            if not ok:  # the detail (often a node) is formatted only on failure: this runs per node
-                raise AssertionError(f"RadixCache invariant '{name}' broken: {detail!r}")
-
-        pb = self._page_bytes
-        live = {id(e[2]) for e in self._heap if self._entry_is_live(e)}
-        total = protected = nodes = 0
-        for ns, root in self._roots.items():
-            require(root.parent is None and not root.key and root.lock_count == 0, "root",
-                    f"root of namespace {ns!r} must be empty, parentless and unlocked")
-        for node in self._all_nodes():
-            nodes += 1
-            n = len(node.value)
-            require(n > 0 and len(node.key) > 0, "no empty non-root node", node)
-            require(len(node.key) == _ITEM * n, "key and value lengths", node)
-            require(n % self.page_size == 0, "edge lengths page-aligned", (node, f"page_size={self.page_size}"))
-            require(node.parent.children.get(node.key[:pb]) is node, "child keys match their edges", node)
-            require(node.lock_count >= 0, "lock counts >= 0", node)
-            child_locks = sum(c.lock_count for c in node.children.values())
-            require(node.own_lock_count >= 0 and node.lock_count == node.own_lock_count + child_locks,
-                    "lock counts consistent with the children",
-                    (node, f"own_lock_count {node.own_lock_count}, children's lock_count sum to {child_locks}"))
-            require(node.value.dtype == np.int64, "indices are int64", node)
-            require(node.last_access <= self._clock and node.created <= self._clock, "logical clock", node)
-            if not node.children and node.lock_count == 0:
-                require(id(node) in live, "every evictable leaf is in the eviction heap", node)
-            total += n
-            protected += n if node.lock_count > 0 else 0
-        require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
-        require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
-        require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
-        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        require(all_unique(self.held_slots()), "slot indices unique across the tree")
+        invariants.check_radix(self)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The tree of one namespace as nested dicts (for notebooks and tests). O(N + tokens)."""
-
-        def walk(node: RadixNode) -> dict[str, Any]:
-            return {
-                "tokens": node.tokens.tolist(),
-                "indices": node.value.tolist(),
-                "lock_count": node.lock_count,
-                "last_access": node.last_access,
-                "hit_count": node.hit_count,
-                "children": [walk(c) for c in node.children.values()],
-            }
-
-        root = self._root_for(namespace, create=False)
-        return walk(root if root is not None else RadixNode(b"", _EMPTY, None, 0))
+        return render.radix_to_dict(self, namespace)
 
     def pretty_print(self) -> str:
         """An indented text drawing of every namespace's tree. O(N + tokens)."""
-        lines = [
-            f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}) "
-            f"total={self.total_size} evictable={self.evictable_size} protected={self.protected_size}"
-        ]
-
-        def walk(node: RadixNode, depth: int) -> None:
-            for child in node.children.values():
-                toks = child.tokens
-                shown = " ".join(map(str, toks[:12].tolist())) + (" ..." if len(toks) > 12 else "")
-                lines.append(
-                    f"{'  ' * depth}[{shown}] len={len(toks)} lock={child.lock_count} "
-                    f"hits={child.hit_count} t={child.last_access}"
-                )
-                walk(child, depth + 1)
-
-        for ns, root in self._roots.items():
-            if ns is not None or len(self._roots) > 1:
-                lines.append(f"namespace {ns!r}:")
-            walk(root, 1)
-        return "\n".join(lines)
+        return render.radix_pretty_print(self)
 
     def __repr__(self) -> str:
         return (

@@ -19,7 +19,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None) -> int:
+    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
+              now: float = 0.0) -> int:
         up = {r.index for r in alive(replicas)}
         n = len(replicas)
         for step in range(n):
@@ -38,7 +39,8 @@ class LeastLoad:
 
     name = "least_load"
 
-    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None) -> int:
+    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
+              now: float = 0.0) -> int:
         return min(alive(replicas), key=lambda r: (r.outstanding_tokens, r.running + r.waiting, r.index)).index
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
@@ -66,7 +68,8 @@ class PrefixHash:
         self._ring: list[tuple[int, int]] = []
         self._members: tuple[int, ...] = ()
 
-    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None) -> int:
+    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
+              now: float = 0.0) -> int:
         up = alive(replicas)
         self._build(tuple(sorted(r.index for r in replicas)))
         load = {r.index: r.outstanding_tokens for r in up}

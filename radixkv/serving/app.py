@@ -42,9 +42,11 @@ class ApiError(Exception):
 
 def build_app(engine: AsyncLLM, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16) -> FastAPI:
-    """The server's app around a (not yet started) ``AsyncLLM``; its loop starts with the app."""
-    metrics = ServerMetrics(model_name, engine.llm.config.prefix_cache)
-    engine.on_step = lambda llm, seconds: metrics.after_step(llm)
+    """The server's app around a (not yet started) ``AsyncLLM``, or a ``ClusterEngine`` (its ``replicas``
+    set: metrics, ``/v1/cache`` and ``/flush_cache`` then report per replica); its loop starts with the app."""
+    metrics = ServerMetrics(model_name, engine.llm.config.prefix_cache, engine.replicas)
+    if engine.replicas is None:
+        engine.on_step = lambda llm, seconds: metrics.after_step(llm)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,16 +112,23 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics, mod
 
     @app.get("/metrics")
     async def prometheus():
+        if engine.replicas is not None:  # a cluster's gauges are read from its replicas when scraped
+            metrics.update_replicas(await engine.snapshots())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
     async def flush_cache():
-        freed = await engine.call(_flush)
-        return {"message": f"flushed {freed} cached tokens no running request holds", "freed_tokens": freed}
+        each = [await engine.call(_flush)] if engine.replicas is None else await engine.call_each(_flush)
+        freed = sum(f or 0 for f in each)
+        body = {"message": f"flushed {freed} cached tokens no running request holds", "freed_tokens": freed}
+        return body if engine.replicas is None else body | {"replicas": each}
 
     @app.get("/v1/cache")
     async def cache_state():
-        return await engine.call(_cache_state)
+        if engine.replicas is None:
+            return await engine.call(_cache_state)
+        states = await engine.call_each(_cache_state)  # None for a dead replica
+        return {"replicas": [s if s is None else {"replica": i} | s for i, s in enumerate(states)]}
 
 
 def _flush(llm) -> int:
@@ -262,7 +271,7 @@ class _Track:
         self.metrics, self.start, self.last = metrics, time.monotonic(), None
 
     def add(self, d: Delta) -> None:
-        m, now = self.metrics, time.monotonic()
+        m, now = self.metrics.replica(d.replica), time.monotonic()
         if self.last is None:
             m.queries.inc(d.num_prompt_tokens)
             m.hits.inc(d.num_cached_tokens)

@@ -41,6 +41,7 @@ class Delta:
     num_output_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    replica: int | None = None  # which replica served it, behind ``radixkv serve --replicas N``
 
 
 @dataclass(eq=False)
@@ -67,6 +68,8 @@ class AsyncLLM:
     another thread leaves a second team, and with more OpenMP threads than cores libgomp stops spinning
     between parallel regions: steps were 25% slower on 2 cores (docs/serving.md).
     """
+
+    replicas = None  # one engine (a ``ClusterEngine`` has N replicas)
 
     def __init__(self, llm: LLM | Callable[[], LLM], on_step=None):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixkv-engine")

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics: vLLM's names and meanings under a ``radixkv:`` prefix, so dashboards
-built for vLLM carry over. Every series is labelled with ``model_name`` and ``prefix_cache``.
+built for vLLM carry over. Every series is labelled with ``model_name`` and ``prefix_cache``, and behind
+``radixkv serve --replicas N`` with ``replica`` too (the gauges then read from each replica at scrape time).
 
 Token counters count tokens: ``prefix_cache_queries_total`` the prompt tokens looked up at admission,
 ``prefix_cache_hits_total`` those found cached (vLLM's meaning), ``prompt_tokens_total`` and
@@ -15,49 +16,88 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
                    40.0, 80.0, 160.0, 640.0)
 
 
-class ServerMetrics:
-    """The counters, gauges and histograms of one server; ``render()`` is the ``/metrics`` body."""
+SERIES = (  # attribute, kind, name, help
+    ("queries", "counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission."),
+    ("hits", "counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache at admission."),
+    ("prompt_tokens", "counter", "prompt_tokens", "Prompt tokens of admitted requests."),
+    ("generation_tokens", "counter", "generation_tokens", "Tokens generated."),
+    ("preemptions", "counter", "num_preemptions", "Requests preempted (their KV freed, recomputed later)."),
+    ("evicted_tokens", "counter", "evicted_tokens", "KV slots the prefix cache gave up under memory pressure."),
+    ("requests", "counter", "request_success", "Requests finished (any finish reason)."),
+    ("running", "gauge", "num_requests_running", "Requests running in the engine."),
+    ("waiting", "gauge", "num_requests_waiting", "Requests waiting to be admitted."),
+    ("kv_usage", "gauge", "kv_cache_usage_perc", "Fraction of KV slots held by requests, 0 to 1 (vLLM's)."),
+    ("ttft", "histogram", "time_to_first_token_seconds", "Seconds from arrival to the first token."),
+    ("itl", "histogram", "inter_token_latency_seconds", "Seconds between a request's consecutive tokens."),
+    ("e2e", "histogram", "e2e_request_latency_seconds", "Seconds from arrival to the last token."),
+)
+KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
-    def __init__(self, model_name: str, prefix_cache: str):
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name, "prefix_cache": prefix_cache}
-        names = list(labels)
 
-        def counter(name: str, doc: str):
-            return Counter(f"radixkv:{name}", doc, names, registry=self.registry).labels(**labels)
+def engine_gauges(llm) -> dict:
+    """What the gauges and the engine's own counters read, taken on the engine's thread."""
+    stats = llm.stats()
+    free = llm.allocator.num_free + llm.cache.evictable_size  # as vLLM: cached blocks no request holds are free
+    return {"preemptions": stats["preemptions"], "evicted_tokens": stats["evicted_tokens"],
+            "running": len(llm.running), "waiting": len(llm.waiting),
+            "kv_usage": 1 - free / llm.allocator.capacity if llm.allocator.capacity else 0.0}
 
-        def gauge(name: str, doc: str):
-            return Gauge(f"radixkv:{name}", doc, names, registry=self.registry).labels(**labels)
 
-        def histogram(name: str, doc: str):
-            return Histogram(f"radixkv:{name}", doc, names, buckets=LATENCY_BUCKETS,
-                             registry=self.registry).labels(**labels)
+class Series:
+    """One engine's series (one replica's, behind ``--replicas N``): the metrics as attributes."""
 
-        self.queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.")
-        self.hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache at admission.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (their KV freed, recomputed later).")
-        self.evicted_tokens = counter("evicted_tokens", "KV slots the prefix cache gave up under memory pressure.")
-        self.requests = counter("request_success", "Requests finished (any finish reason).")
-        self.running = gauge("num_requests_running", "Requests running in the engine.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV slots held by requests, 0 to 1 (vLLM's).")
-        self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Seconds between a request's consecutive tokens.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
+    def __init__(self, families: dict, labels: dict):
+        for attr, family in families.items():
+            setattr(self, attr, family.labels(**labels))
         self._last = {"preemptions": 0, "evicted_tokens": 0}
 
+    def update(self, gauges: dict) -> None:
+        """Gauges and the engine's counters from ``engine_gauges``."""
+        for name in ("preemptions", "evicted_tokens"):
+            getattr(self, name).inc(max(0, gauges[name] - self._last[name]))
+            self._last[name] = gauges[name]
+        for name in ("running", "waiting", "kv_usage"):
+            getattr(self, name).set(gauges[name])
+
+
+class ServerMetrics:
+    """The counters, gauges and histograms of one server; ``render()`` is the ``/metrics`` body.
+
+    ``replica(i)`` is one engine's ``Series`` (``replica(None)``: the one engine's). ``replicas=N``
+    (``radixkv serve --replicas N``) labels every series with its ``replica`` (0 to N-1) and adds
+    ``replica_up``.
+    """
+
+    def __init__(self, model_name: str, prefix_cache: str, replicas: int | None = None):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "prefix_cache": prefix_cache}
+        names = [*labels, "replica"] if replicas else list(labels)
+        families = {attr: KINDS[kind](f"radixkv:{name}", doc, names, registry=self.registry,
+                                      **({"buckets": LATENCY_BUCKETS} if kind == "histogram" else {}))
+                    for attr, kind, name, doc in SERIES}
+        if replicas:
+            families["up"] = Gauge("radixkv:replica_up", "1 while the replica serves, 0 once it died.", names,
+                                   registry=self.registry)
+        self._series = [Series(families, labels | ({"replica": str(i)} if replicas else {}))
+                        for i in range(replicas or 1)]
+
+    def replica(self, index: int | None) -> Series:
+        """Replica ``index``'s series (the one engine's for None)."""
+        return self._series[index or 0]
+
     def after_step(self, llm) -> None:
-        """Gauges and the engine's own counters, read on the engine thread after a step."""
-        stats = llm.stats()
-        for name, metric in (("preemptions", self.preemptions), ("evicted_tokens", self.evicted_tokens)):
-            metric.inc(max(0, stats[name] - self._last[name]))
-            self._last[name] = stats[name]
-        self.running.set(len(llm.running))
-        self.waiting.set(len(llm.waiting))
-        free = llm.allocator.num_free + llm.cache.evictable_size  # as vLLM: cached blocks no request holds are free
-        self.kv_usage.set(1 - free / llm.allocator.capacity if llm.allocator.capacity else 0.0)
+        """Gauges and the engine's own counters, read on the engine thread after a step (one engine)."""
+        self._series[0].update(engine_gauges(llm))
+
+    def update_replicas(self, gauges: list[dict | None]) -> None:
+        """Each replica's ``engine_gauges`` (None for a dead one: its gauges go to 0, ``replica_up`` too)."""
+        for series, g in zip(self._series, gauges, strict=True):
+            series.up.set(0 if g is None else 1)
+            if g is not None:
+                series.update(g)
+            else:
+                for name in ("running", "waiting", "kv_usage"):
+                    getattr(series, name).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""``affinity``: radixkv's router. Keep a conversation where its prefix is cached, within a work budget.
+
+How it decides, per request of n tokens:
+
+1. What each replica caches is believed from what the router sent it: a tree per replica holding the
+   prompts it was sent and, when they finish, their whole sequences (a multi-turn conversation's next
+   prompt extends its previous prompt *and answer*), trimmed least-recently-used to ``capacity_tokens``
+   (the replicas' KV budget) so it forgets what a replica has evicted. m_r: the prefix replica r holds.
+2. Each replica's work W_r: the prompt tokens it was predicted to compute (n - m_r of every request sent
+   there). The request stays with the replica of the longest prefix (``affinity``) unless that replica's
+   work, with this request's, would exceed ``1 + slack`` times the mean work after it; then it goes where
+   the sum of work and this request's uncached tokens is least (``balance``), and a request that hits
+   nowhere does the same (``new``).
+
+Keeping cumulative work within the slack of the mean bounds the computed-token imbalance the cluster
+reports; sending a miss to the replica with least work spreads conversations so that each replica's cache
+sees about 1/N of them, which is how N separate caches approach one pooled cache. The decisions depend
+only on the requests in order (no clock, no replica state beyond liveness), so they are the same in the
+simulator and on Ray.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from radixkv.routing.base import ReplicaView, alive
+from radixkv.routing.cache_routers import _number
+from radixkv.routing.trees import ReplicaTrees
+
+
+class Affinity:
+    """See the module docstring. O(N x (n memcmp + depth)) per request."""
+
+    name = "affinity"
+
+    def __init__(self, capacity_tokens: int | None = None, slack: float = 0.05):
+        self.capacity_tokens = None if capacity_tokens is None else _number(capacity_tokens, "capacity_tokens", 1,
+                                                                            integer=True)
+        self.slack = _number(slack, "slack")
+        self.counts: Counter = Counter()
+        self._trees: ReplicaTrees | None = None
+        self._work: list[float] = []
+
+    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
+              now: float = 0.0) -> int:
+        up = [r.index for r in alive(replicas)]
+        if self._trees is None or len(self._trees) < len(replicas):
+            self._trees = ReplicaTrees(len(replicas), self.capacity_tokens)
+            self._work = [0.0] * len(replicas)
+        matched = self._trees.match(tokens, namespace)
+        n, work = len(tokens), self._work
+        home = max(up, key=lambda i: (matched[i], -work[i], -i))
+        mean_after = (sum(work[i] for i in up) + n - matched[home]) / len(up)
+        if matched[home] and work[home] + n - matched[home] <= (1 + self.slack) * mean_after:
+            choice, why = home, "affinity"
+        else:
+            choice = min(up, key=lambda i: (work[i] + n - matched[i], i))
+            why = "balance" if matched[home] else "new"
+        work[choice] += n - matched[choice]
+        self._trees.insert(choice, tokens, namespace)
+        self.counts[why] += 1
+        return choice
+
+    def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
+        if self._trees is not None and len(tokens):
+            self._trees.insert(replica, tokens, namespace)

@@ -1,0 +1,14 @@
+"""The simulator: one engine (``simulate``) or a cluster of replicas behind a router (``simulate_cluster``).
+
+``radixkv.sim.engine`` replays a workload through the real caches and scheduling policies on a modelled
+clock; ``radixkv.sim.cluster`` runs N of those engines on one clock, with a ``radixkv.routing`` router
+choosing each request's replica. Torch-free.
+"""
+
+from __future__ import annotations
+
+from radixkv.bounds import upper_bound
+from radixkv.sim.cluster import ClusterResult, simulate_cluster
+from radixkv.sim.engine import CostModel, SimResult, simulate
+
+__all__ = ["ClusterResult", "CostModel", "SimResult", "simulate", "simulate_cluster", "upper_bound"]
