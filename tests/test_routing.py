@@ -171,14 +171,3 @@ def test_kv_events_routes_by_the_index_its_events_built_and_respects_the_delay()
 def test_bad_router_parameters_are_value_errors(name, bad):
     with pytest.raises(ValueError):
         make_router(name, **bad)
-
-
-def test_affinity_does_not_forget_what_a_busy_replica_has_not_yet_served():
-    """Regression: trimming the belief to the KV budget as requests were routed forgot the conversations an
-    overloaded replica still held (Mooncake at N = 4 kept 63% of the pooled hit rate, 97% after)."""
-    r = make_router("affinity", capacity_tokens=600)
-    a = prompt(60, 1000)
-    assert [r.route(a, views(2)), r.route(prompt(62, 1000), views(2, loads=[1000, 0]))] == [0, 1]
-    turn2 = np.concatenate([a, prompt(61, 100)])
-    assert r.route(turn2, views(2, loads=[1000, 1000])) == 0 and r.counts["affinity"] == 1  # a is still queued
-    assert r.route(turn2, views(2)) == 1 and r.counts["new"] == 3  # served and idle: over budget, forgotten

@@ -5,9 +5,7 @@ How it decides, per request of n tokens:
 1. What each replica caches is believed from what the router sent it: a tree per replica holding the
    prompts it was sent and, when they finish, their whole sequences (a multi-turn conversation's next
    prompt extends its previous prompt *and answer*), trimmed least-recently-used to ``capacity_tokens``
-   (the replicas' KV budget) plus the tokens still outstanding there (``ReplicaView.outstanding_tokens``):
-   it forgets what a replica has evicted, but not what an overloaded replica, still working through its
-   queue, has not yet had the chance to evict. m_r: the prefix replica r holds.
+   (the replicas' KV budget) so it forgets what a replica has evicted. m_r: the prefix replica r holds.
 2. Each replica's work W_r: the prompt tokens it was predicted to compute (n - m_r of every request sent
    there). The request stays with the replica of the longest prefix (``affinity``) unless that replica's
    work, with this request's, would exceed ``1 + slack`` times the mean work after it; then it goes where
@@ -52,9 +50,6 @@ class Affinity:
         if self._trees is None or len(self._trees) < len(replicas):
             self._trees = ReplicaTrees(len(replicas), self.capacity_tokens)
             self._work = [0.0] * len(replicas)
-        if self.capacity_tokens is not None:
-            for r in replicas:
-                self._trees.trim(r.index, self.capacity_tokens + r.outstanding_tokens)
         matched = self._trees.match(tokens, namespace)
         n, work = len(tokens), self._work
         home = max(up, key=lambda i: (matched[i], -work[i], -i))
@@ -65,10 +60,10 @@ class Affinity:
             choice = min(up, key=lambda i: (work[i] + n - matched[i], i))
             why = "balance" if matched[home] else "new"
         work[choice] += n - matched[choice]
-        self._trees.insert(choice, tokens, namespace, trim=False)
+        self._trees.insert(choice, tokens, namespace)
         self.counts[why] += 1
         return choice
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         if self._trees is not None and len(tokens):
-            self._trees.insert(replica, tokens, namespace, trim=False)
+            self._trees.insert(replica, tokens, namespace)

@@ -29,11 +29,10 @@ class ReplicaTrees:
         """How many leading tokens of ``tokens`` each replica is believed to cache (refreshes their recency)."""
         return [t.match_prefix(tokens, namespace).length for t in self.trees]
 
-    def insert(self, replica: int, tokens: np.ndarray, namespace: Hashable = None, trim: bool = True) -> None:
-        """Add ``tokens`` to a replica's tree; ``trim``: then cut it back to ``capacity`` at once."""
+    def insert(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         tree = self.trees[replica]
         tree.insert(tokens, np.zeros(len(tokens), dtype=np.int64), namespace)
-        if trim and self.capacity is not None and tree.total_size > self.capacity:
+        if self.capacity is not None and tree.total_size > self.capacity:
             tree.evict(tree.total_size - self.capacity)
 
     def trim(self, replica: int, max_size: int) -> None:
