@@ -43,6 +43,7 @@ def test_every_router_serves_every_request_once_and_leaks_nothing(chats, router)
     s = res.summary()
     assert s["prompt_tokens"] == sum(len(r.prompt) for r in chats)
     assert s["imbalance"] >= 1.0 and s["ttft_p99"] >= s["ttft_p50"] > 0
+    assert (res.ttft_p50, res.ttft_p99, res.throughput) == (s["ttft_p50"], s["ttft_p99"], s["throughput"])
     assert set(res.references) == {"upper_bound", "pooled_lru", "pooled_belady"}
     assert res.config["router"] == router and res.config["replicas"] == 3
 

@@ -87,17 +87,30 @@ class ClusterResult:
         return max(r.makespan for r in self.replicas)
 
     def ttfts(self) -> np.ndarray:
+        """Every served request's TTFT (seconds from its arrival), all replicas."""
         return np.concatenate([r.ttfts() for r in self.replicas])
+
+    @property
+    def ttft_p50(self) -> float:
+        t = self.ttfts()
+        return float(np.median(t)) if len(t) else 0.0
+
+    @property
+    def ttft_p99(self) -> float:
+        t = self.ttfts()
+        return float(np.percentile(t, 99)) if len(t) else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Served requests per simulated second, over the cluster's makespan."""
+        return len(self.ttfts()) / self.makespan if self.makespan else 0.0
 
     def summary(self) -> dict[str, Any]:
         """The totals, TTFT statistics, throughput and references as a flat dict (what experiments store)."""
-        t = self.ttfts()
-        served = len(t)
         out = {"hit_rate": self.hit_rate, "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
                "computed_tokens": self.computed_tokens, "imbalance": self.imbalance,
-               "ttft_p50": float(np.median(t)) if served else 0.0,
-               "ttft_p99": float(np.percentile(t, 99)) if served else 0.0,
-               "throughput": served / self.makespan if self.makespan else 0.0, "makespan": self.makespan,
+               "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
+               "throughput": self.throughput, "makespan": self.makespan,
                "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts)}
         for name, value in self.references.items():
             out[name] = value
