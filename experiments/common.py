@@ -171,7 +171,11 @@ def table(rows: Sequence[dict], columns: Sequence[str], formats: dict[str, str] 
 
 
 def save_figure(fig, out: str | Path) -> Path:
+    """Write ``fig`` as PNG next to ``out`` (its extension replaced) and close it; the path written."""
     path = with_ext(out, ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # pyplot keeps every figure until closed: a long session (the tests) would hold them all
     return path

@@ -23,6 +23,7 @@ imports it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
 from collections.abc import Hashable, Sequence
@@ -160,10 +161,7 @@ class Fleet:
     def lost(self, replica: int) -> None:
         """Mark a replica dead (and make sure its actor is): nothing is routed to it again."""
         self.tracker.alive[replica] = False
-        try:
-            ray.kill(self.actors[replica], no_restart=True)
-        except Exception:  # already gone
-            pass
+        _kill(self.actors[replica])
 
     def live(self) -> list[int]:
         return [i for i, up in enumerate(self.tracker.alive) if up]
@@ -183,13 +181,17 @@ class Fleet:
     def shutdown(self) -> None:
         """Kill the actors; shut Ray down if this fleet started it. Safe to call twice."""
         for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+            _kill(actor)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
         self.owns_ray = False
+
+
+def _kill(actor) -> None:
+    """Kill an actor for good. One that is already dead, or whose Ray has shut down, is what we want: Ray's
+    error saying so is dropped, nothing else is at stake."""
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
 
 
 def _init_ray(address: str | None, num_cpus: int) -> bool:
