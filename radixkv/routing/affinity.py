@@ -41,15 +41,14 @@ class Affinity:
                                                                             integer=True)
         self.slack = _number(slack, "slack")
         self.counts: Counter = Counter()
-        self._trees: ReplicaTrees | None = None
+        self._trees = ReplicaTrees(0, self.capacity_tokens)
         self._work: list[float] = []
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = [r.index for r in alive(replicas)]
-        if self._trees is None or len(self._trees) < len(replicas):
-            self._trees = ReplicaTrees(len(replicas), self.capacity_tokens)
-            self._work = [0.0] * len(replicas)
+        self._trees.grow(len(replicas))
+        self._work += [0.0] * (len(replicas) - len(self._work))
         matched = self._trees.match(tokens, namespace)
         n, work = len(tokens), self._work
         home = max(up, key=lambda i: (matched[i], -work[i], -i))
@@ -65,5 +64,5 @@ class Affinity:
         return choice
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        if self._trees is not None and len(tokens):
+        if len(tokens) and replica < len(self._trees):
             self._trees.insert(replica, tokens, namespace)

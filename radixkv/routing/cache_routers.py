@@ -50,13 +50,14 @@ class CacheAware:
         self.eviction_interval_secs = _number(eviction_interval_secs, "eviction_interval_secs")
         self.max_tree_size = _number(max_tree_size, "max_tree_size", 1, integer=True)
         self.counts: Counter = Counter()
-        self._trees: ReplicaTrees | None = None
+        self._trees = ReplicaTrees(0)
         self._last_trim = 0.0
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = alive(replicas)
-        trees = self._trees_for(len(replicas))
+        trees = self._trees
+        trees.grow(len(replicas))
         if now - self._last_trim >= self.eviction_interval_secs:
             self._last_trim = now
             for i in range(len(trees)):
@@ -79,14 +80,6 @@ class CacheAware:
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         return None
-
-    def _trees_for(self, n: int) -> ReplicaTrees:
-        if self._trees is None or len(self._trees) < n:
-            old = self._trees
-            self._trees = ReplicaTrees(n)
-            if old is not None:
-                self._trees.trees[: len(old)] = old.trees
-        return self._trees
 
 
 class KVEvents:
@@ -159,15 +152,14 @@ class Preble:
     def __init__(self, window_secs: float = 180.0):
         self.window_secs = _number(window_secs, "window_secs")
         self.counts: Counter = Counter()
-        self._trees: ReplicaTrees | None = None
+        self._trees = ReplicaTrees(0)
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, replica, tokens of work)
         self._load: dict[int, float] = {}
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = alive(replicas)
-        if self._trees is None or len(self._trees) < len(replicas):
-            self._trees = ReplicaTrees(len(replicas))  # a new replica set: start the belief over
+        self._trees.grow(len(replicas))
         while self._recent and self._recent[0][0] < now - self.window_secs:
             _, r, work = self._recent.popleft()
             self._load[r] -= work

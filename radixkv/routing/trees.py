@@ -25,6 +25,10 @@ class ReplicaTrees:
     def __len__(self) -> int:
         return len(self.trees)
 
+    def grow(self, replicas: int) -> None:
+        """Make room for ``replicas`` replicas (a router learns N from its first views); trees kept."""
+        self.trees += [RadixCache(page_size=1) for _ in range(replicas - len(self.trees))]
+
     def match(self, tokens: np.ndarray, namespace: Hashable = None) -> list[int]:
         """How many leading tokens of ``tokens`` each replica is believed to cache (refreshes their recency)."""
         return [t.match_prefix(tokens, namespace).length for t in self.trees]
