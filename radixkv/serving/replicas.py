@@ -150,14 +150,8 @@ class ClusterEngine:
             yield delta
 
     async def _pull_events(self) -> None:
-        live = self.fleet.live()
-        got = await asyncio.gather(*(self.fleet.actors[i].drain.remote() for i in live), return_exceptions=True)
-        for i, events in zip(live, got, strict=True):
-            if isinstance(events, ACTOR_LOST):
-                self.fleet.lost(i)
-            elif isinstance(events, BaseException):
-                raise events
-            else:
+        for i, events in enumerate(await self._each("drain")):
+            if events is not None:
                 self.fleet.observe(i, events)
 
     def abort(self, request_id: str) -> None:
@@ -177,8 +171,14 @@ class ClusterEngine:
     async def call_each(self, fn) -> list:
         """``fn(llm)`` on each live replica's engine thread, between its steps: results in replica order,
         None for a dead replica."""
+        return await self._each("call", fn)
+
+    async def _each(self, method: str, *args) -> list:
+        """The actors' ``method(*args)`` on every live replica at once: results in replica order, None for a
+        dead one (a replica found dead here is marked so; any other error is raised)."""
         live = self.fleet.live()
-        got = await asyncio.gather(*(self.fleet.actors[i].call.remote(fn) for i in live), return_exceptions=True)
+        got = await asyncio.gather(*(getattr(self.fleet.actors[i], method).remote(*args) for i in live),
+                                   return_exceptions=True)
         out: list = [None] * self.replicas
         for i, result in zip(live, got, strict=True):
             if isinstance(result, ACTOR_LOST):
