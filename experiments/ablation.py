@@ -119,12 +119,13 @@ def plot(summary: list[dict], evictions: list[str], schedules: list[str]):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = parser(__doc__.splitlines()[0], "results/ablation")
-    p.add_argument("--workloads", default=",".join(SIZES))
+    p.add_argument("--workloads", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}")
     p.add_argument("--capacity-fracs", default="0.05,0.2",
                    help="KV budgets as fractions of all tokens (at least the longest request: 0 is that minimum)")
-    p.add_argument("--evictions", default=",".join(EVICTIONS))
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--max-running", type=int, default=32)
+    p.add_argument("--evictions", default=",".join(EVICTIONS), help=f"eviction policies, a subset of {list(EVICTIONS)}")
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help=f"scheduling policies, a subset of {list(SCHEDULES)}")
+    p.add_argument("--max-running", type=int, default=32, help="requests running at once")
     add_budget_flags(p)
     args = p.parse_args(argv)
     check_budgets(p, args)

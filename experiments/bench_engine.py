@@ -17,9 +17,14 @@
    time (``machine_rates``, ``floors``): the machine class comes with
    different CPUs and memory phases, and a target can be out of reach on one;
 
-and prints each target of the engine issue with the measured value beside
-the peers' (vLLM 0.32 on the CPU, measured on this machine class; see
-/work/shared/BACKGROUND.md) and this machine's floor. Writes
+and prints our figures, this machine's floors and the targets that need no
+peer. ``--peer PATH`` reads the JSON that vLLM's CPU build wrote on this
+machine (``../shared/peers/vllm_cpu_multiturn.py --out PATH``; how to set
+it up: ``../shared/peers/README.md``) and prints each figure as a ratio,
+ours over the peer's: end to end (radix against prefix caching on, none
+against off), mean TTFT per turn, decode at batch 1 and 8, prefill per
+token; the engine's speed targets are stated as those ratios. No peer
+figure lives in this file: run the peer beside us, in the same hour. Writes
 ``results/bench_engine.json``.
 
 ``--device cuda`` (``gpu_main``) runs the same workload and micro-figures on a
@@ -32,6 +37,7 @@ is not installed).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,20 +49,20 @@ from experiments.multiturn import parse_args as multiturn_args
 from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch
+from radixkv.config import DTYPES
 from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.forward import build_forward
+from radixkv.model.loader import resolve_dtype
 from radixkv.model.step import run_step
 from radixkv.timing import interleaved, seconds, timed
 
 CACHES = tuple(c for c in MULTITURN_CACHES if c != "hash-v0")  # the v0 baseline is hash_vs_radix's, not this bench's
 
-# vLLM 0.32 on CPU, SmolLM2-135M bf16, 2 threads (the engine issue, docs/experiments.md).
-VLLM = {"end_to_end_s": 5.8, "end_to_end_no_cache_s": 16.1, "prefill_ms_per_token_1024": 0.40,
-        "decode_ms_b1": 15.2, "decode_ms_b8": 29.3, "cached_per_req": [480, 672, 832, 1024]}
-TRANSFORMERS_PEER = {"end_to_end_s": 34.8, "prefill_ms_per_token_1024": 0.61, "decode_ms_b1": 34.8,
-                     "decode_ms_b8": 138.0}
+PEER_KEYS = {"on": "vllm_cpu_prefix_on", "off": "vllm_cpu_prefix_off"}  # vllm_cpu_multiturn.py's result keys
+# The targets against the peer, as ratios ours / peer's: (figure, bound); a ratio at or below the bound is met.
+PEER_TARGETS = (("end_to_end_s", 1.0), ("decode_ms_b1", 1.2), ("decode_ms_b8", 1.2))
 
 
 def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto") -> dict:
@@ -185,31 +191,74 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     return out
 
 
-def targets(summary: dict[str, dict], ours: dict, floor: dict | None = None) -> list[dict]:
+def read_peer(path: str | Path) -> dict:
+    """The peer's figures from the JSON ``vllm_cpu_multiturn.py --out PATH`` wrote, under this bench's names:
+    ``end_to_end_s`` (prefix caching on; ``end_to_end_no_cache_s`` off, where it ran), ``ttft_mean_t{k}``
+    and ``cached_per_req_t{k}`` per turn, ``prefill_ms_per_token``, ``decode_ms_b1``, ``decode_ms_b8``
+    (medians over its repeats), and ``source`` (version, dtype, workload digest). ``ValueError`` when the
+    file is missing or is not that script's output."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--peer {path}: no such file; write it with ../shared/peers/vllm_cpu_multiturn.py "
+                         "--out PATH (../shared/peers/README.md)")
+    try:
+        data = json.loads(path.read_text())
+        on = data[PEER_KEYS["on"]]
+        summary, micro = on["summary"], on["micro"]["summary"]
+        out = {"end_to_end_s": summary["total_s_median"],
+               "prefill_ms_per_token": micro["prefill_ms_per_tok_engine_median"],
+               "decode_ms_b1": micro["decode_bs1_ms_per_step_median"],
+               "decode_ms_b8": micro["decode_bs8_ms_per_step_median"],
+               "source": {k: on.get(k) for k in ("vllm_version", "dtype", "block_size", "workload_digest")}}
+        for turn in summary["per_turn"]:
+            out[f"ttft_mean_t{turn['turn']}"] = turn["mean_ttft_s_median"]
+            out[f"cached_per_req_t{turn['turn']}"] = float(np.mean(turn["cached_per_request"]))
+        off = (data.get(PEER_KEYS["off"]) or {}).get("summary")
+        if off:
+            out["end_to_end_no_cache_s"] = off["total_s_median"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--peer {path}: not the output of vllm_cpu_multiturn.py --out ({type(e).__name__}: "
+                         f"{e})") from None
+    return out
+
+
+def ratios(summary: dict[str, dict], ours: dict, peer: dict) -> list[dict]:
+    """Each figure the peer has: ours, the peer's, and ours / peer's (below 1: we are faster)."""
+    radix, none = summary["radix"], summary["none"]
+    rows = [("end_to_end_s", radix["end_to_end_s"]), ("end_to_end_no_cache_s", none["end_to_end_s"])]
+    rows += [(k, radix[k]) for k in sorted(radix) if k.startswith("ttft_mean_t")]
+    rows += [(k, ours[k]) for k in ("prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8")]
+    return [{"figure": k, "ours": v, "peer": peer[k], "ratio": v / peer[k]} for k, v in rows
+            if k in peer and peer[k]]
+
+
+def targets(summary: dict[str, dict], ours: dict, floor: dict | None = None, peer: dict | None = None) -> list[dict]:
     """Each target: our figure, the bound it must meet, whether it does, this machine's floor (or None), and
-    whether that floor leaves the bound reachable here."""
+    whether that floor leaves the bound reachable here. Against a ``peer`` (``read_peer``) the speed
+    targets are ratios ours / peer's, and so are their floors (this machine's floor / the peer's figure)."""
     radix, hash_, none = summary["radix"], summary["hash"], summary["none"]
     floor = floor or {}
-    cached = [radix[f"cached_per_req_t{t}"] for t in range(1, 5) if f"cached_per_req_t{t}" in radix]
-    rows = [  # (target, ours, bound, met, the floor's key)
-        ("radix end-to-end s <= vLLM-CPU", radix["end_to_end_s"], VLLM["end_to_end_s"],
-         radix["end_to_end_s"] <= VLLM["end_to_end_s"], "end_to_end_s"),
+    rows = [  # (target, ours, bound, met, floor)
         ("radix mean TTFT turns>=2 / none's <= 1/3", radix["ttft_mean_later"] / none["ttft_mean_later"], 1 / 3,
          radix["ttft_mean_later"] <= none["ttft_mean_later"] / 3, None),
         ("radix prefill tokens <= hash's", radix["prefill_tokens"], hash_["prefill_tokens"],
          radix["prefill_tokens"] <= hash_["prefill_tokens"], None),
-        ("radix cached per request > vLLM block-32 (turns 1-4)", cached, VLLM["cached_per_req"],
-         all(c > v for c, v in zip(cached, VLLM["cached_per_req"], strict=False)), None),
-        ("decode ms at batch 1 <= 1.2x vLLM-CPU", ours["decode_ms_b1"], 1.2 * VLLM["decode_ms_b1"],
-         ours["decode_ms_b1"] <= 1.2 * VLLM["decode_ms_b1"], "decode_ms_b1"),
-        ("decode ms at batch 8 <= 1.2x vLLM-CPU", ours["decode_ms_b8"], 1.2 * VLLM["decode_ms_b8"],
-         ours["decode_ms_b8"] <= 1.2 * VLLM["decode_ms_b8"], "decode_ms_b8"),
         ("engine overhead share of step time < 10%", radix["overhead_share"], 0.10, radix["overhead_share"] < 0.10,
          None),
     ]
+    if peer is not None:
+        mine = {"end_to_end_s": radix["end_to_end_s"], **ours}
+        for key, bound in PEER_TARGETS:
+            ratio = mine[key] / peer[key]
+            ratio_floor = floor[key] / peer[key] if key in floor else None
+            rows.append((f"{key} / vLLM-CPU's <= {bound:g}", ratio, bound, ratio <= bound, ratio_floor))
+        turns = sorted(k for k in radix if k.startswith("cached_per_req_t") and k in peer)
+        cached, theirs = [radix[k] for k in turns], [peer[k] for k in turns]
+        rows.append(("radix cached tokens per request > vLLM-CPU's (each turn)", cached, theirs,
+                     all(c > v for c, v in zip(cached, theirs, strict=True)), None))
     # reachable: False where this machine's floor is already above the bound, so no code can meet it here
-    return [{"target": t, "ours": o, "bound": b, "met": bool(m), "floor": floor.get(f),
-             "reachable": f not in floor or floor[f] <= b} for t, o, b, m, f in rows]
+    return [{"target": t, "ours": o, "bound": b, "met": bool(m), "floor": f,
+             "reachable": f is None or f <= b} for t, o, b, m, f in rows]
 
 
 def fmt(x) -> str:
@@ -220,18 +269,23 @@ def fmt(x) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0], "results/bench_engine")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--model", default="smollm2-135m", help="a built-in name, a HF directory or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the model's own (SmolLM2-135M: bfloat16)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context for the micro-figures")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per micro-figure (medians)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers' micro-figures")
+    p.add_argument("--peer", default=None,
+                   help="the JSON of ../shared/peers/vllm_cpu_multiturn.py --out PATH, run on this machine: "
+                        "print ours / the peer's for each figure")
     p.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for the GPU run (gpu_main)")
     p.add_argument("--quick", action="store_true",
                    help="with --device cuda: 4 sessions x 2 turns, 512-token contexts, 2 repeats (the GPU check)")
     args = p.parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype, args.model, args.device)
     if args.device != "cpu":
         return gpu_main(args)
+    peer = read_peer(args.peer) if args.peer else None  # a bad file fails before the long run
     torch.set_num_threads(args.threads)
     mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed)])
     summary = {}
@@ -251,22 +305,27 @@ def main(argv: list[str] | None = None) -> dict:
                    mt.turns * (mt.max_new_tokens - 1))
     if hf is not None:
         micro["transformers"] = transformers_micro(hf.to(getattr(torch, args.dtype)), args.context, args.repeats, rng)
-    micro["vllm_cpu_peer"] = {k: VLLM[k] for k in ("decode_ms_b1", "decode_ms_b8")} | {
-        "prefill_ms_per_token": VLLM["prefill_ms_per_token_1024"]}
+    if peer is not None:
+        micro["vllm_cpu_peer"] = {k: peer[k] for k in ("prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8")}
     micro["floor_here"] = {k: v for k, v in floor.items() if k != "end_to_end_s"}
-    print(table([{"engine": k, **v} for k, v in micro.items()],
-                ["engine", "prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500"],
-                {c: ".3g" for c in ("prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500")}))
+    figs = ["prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500"]
+    print(table([{"engine": k, **v} for k, v in micro.items()], ["engine", *figs], {c: ".3g" for c in figs}))
     print(f"this machine now: memory reads {rates['read_gb_s']:.1f} GB/s, {rates['gemm_dtype']} GEMM "
           f"{rates['gemm_gflop_s']:.0f} GFLOP/s (floor_here: the micro-figures' lower bounds at these rates)")
-    checks = targets(summary, micro["ours"], floor)
+    compared = ratios(summary, micro["ours"], peer) if peer is not None else []
+    if compared:
+        print(f"against the peer ({peer['source']}): ours / peer's, below 1 is faster")
+        print(table(compared, ["figure", "ours", "peer", "ratio"], {c: ".3g" for c in ("ours", "peer", "ratio")}))
+    else:
+        print("no --peer: our figures and this machine's floors only (../shared/peers/README.md runs the peer)")
+    checks = targets(summary, micro["ours"], floor, peer)
     for c in checks:
         here = "" if c["floor"] is None else f", floor here {fmt(c['floor'])}"
         here += "" if c["reachable"] else " (out of reach on this machine: its floor is above the bound)"
         print(f"[{'met' if c['met'] else 'MISSED':6s}] {c['target']}: ours {fmt(c['ours'])}, bound {fmt(c['bound'])}"
               f"{here}")
     result = {"config": vars(args), "env": environment(), "machine": rates, "floors": floor, "multiturn": summary,
-              "micro": micro, "targets": checks, "peers": {"vllm_cpu": VLLM, "transformers": TRANSFORMERS_PEER}}
+              "micro": micro, "peer": peer, "ratios": compared, "targets": checks}
     out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))

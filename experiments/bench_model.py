@@ -92,11 +92,11 @@ def bench_dtype(loaded, dtype: torch.dtype, lengths: list[int], repeats: int, rn
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = parser(__doc__.splitlines()[0], "results/bench_model")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--lengths", default="512,1024,2048")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="smollm2-135m", help="a built-in name, a HF directory or a .gguf file")
+    p.add_argument("--lengths", default="512,1024,2048", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes: float32, bfloat16, float16")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (medians)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)

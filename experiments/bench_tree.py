@@ -40,6 +40,7 @@ from tqdm import tqdm
 import radixkv
 from experiments.common import run_cli
 from radixkv import HashBlockCache, PrefixCache, RadixCache, SlotAllocator
+from radixkv.serve import HelpFormatter
 
 CacheFactory = Callable[[int], PrefixCache]
 
@@ -238,30 +239,31 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` shrinks the run to a smoke test."""
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_tree", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_tree", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--out", default=None,
                    help="JSON output (default results/bench_tree.json; results/bench_tree_quick.json "
                    "with --quick)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="runs per configuration, fresh cache each (default 5)")
+                   help="runs per configuration, fresh cache each")
     p.add_argument("--scale-repeats", type=int, default=None,
                    help="runs per configuration of the scaled trace (default: --repeats)")
-    p.add_argument("--conversations", type=int, default=200, help="chats in the base trace (default 200)")
-    p.add_argument("--turns", type=int, default=8, help="turns per chat (default 8)")
-    p.add_argument("--group", type=int, default=20, help="chats sharing one system prompt (default 20)")
-    p.add_argument("--system-tokens", type=int, default=1000, help="system prompt length (default 1000)")
-    p.add_argument("--user-tokens", type=int, default=100, help="user tokens per turn (default 100)")
-    p.add_argument("--gen-tokens", type=int, default=100, help="generated tokens per turn (default 100)")
+    p.add_argument("--conversations", type=int, default=200, help="chats in the base trace")
+    p.add_argument("--turns", type=int, default=8, help="turns per chat")
+    p.add_argument("--group", type=int, default=20, help="chats sharing one system prompt")
+    p.add_argument("--system-tokens", type=int, default=1000, help="system prompt length")
+    p.add_argument("--user-tokens", type=int, default=100, help="user tokens per turn")
+    p.add_argument("--gen-tokens", type=int, default=100, help="generated tokens per turn")
     p.add_argument("--capacity-frac", type=float, default=0.3,
-                   help="KV pool size as a fraction of the trace's unique tokens (default 0.3)")
-    p.add_argument("--page-sizes", default="1,16", help="comma-separated page sizes (default 1,16)")
+                   help="KV pool size as a fraction of the trace's unique tokens")
+    p.add_argument("--page-sizes", default="1,16", help="comma-separated page sizes")
     p.add_argument("--scale", type=int, default=10,
-                   help="also run a trace with this many times the chats (default 10; 0 or 1: off)")
+                   help="also run a trace with this many times the chats")
     p.add_argument("--scale-page-sizes", default="1,16",
-                   help="page sizes for the scaled trace (default 1,16; only those also in --page-sizes)")
+                   help="page sizes for the scaled trace")
     p.add_argument("--caches", default="radix,hash,hash-xxhash",
-                   help=f"comma-separated caches from {sorted(CACHES)} (default radix,hash,hash-xxhash)")
+                   help=f"comma-separated caches from {sorted(CACHES)}")
     p.add_argument("--quick", action="store_true", help="smoke test: 20 chats, 1 repeat, no scaled run")
     args = p.parse_args(argv)
     if args.quick:

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
+from radixkv.serve import HelpFormatter
+
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def parser(description: str, out: str) -> argparse.ArgumentParser:
     """An argument parser with the flags every experiment has (``--seed``, ``--out``)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="seed for workloads and random policies")
     p.add_argument("--out", default=out, help="results path without extension: writes .jsonl and .png")
     return p

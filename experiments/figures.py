@@ -21,6 +21,8 @@ from pathlib import Path
 
 import matplotlib
 
+from radixkv.serve import HelpFormatter
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -84,7 +86,7 @@ def draw(results_dir: str | Path = "docs/figures", out_dir: str | Path = "docs/f
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--results-dir", default="docs/figures", help="where the experiments' .jsonl files are")
     p.add_argument("--out-dir", default="docs/figures", help="where the PNGs go")
     p.add_argument("--multiturn", default=None,

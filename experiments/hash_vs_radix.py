@@ -14,6 +14,7 @@ import json
 from experiments.common import run_cli, with_ext
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import serve_once
+from radixkv.serve import HelpFormatter
 
 BLOCK = 4
 
@@ -101,7 +102,8 @@ CLAIMS = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out", default="results/hash_vs_radix",
                         help="results path without extension (as for the other experiments): writes .json")
     parser.add_argument("--seed", type=int, default=0, help="unused: the examples are fixed (kept for a uniform CLI)")

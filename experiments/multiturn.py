@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
 from radixkv.cache import CACHES as ALL_CACHES
-from radixkv.config import ATTENTION_BACKENDS, EngineConfig
+from radixkv.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, SCHEDULE_POLICIES, EngineConfig
 from radixkv.sim import CostModel, SimResult, simulate
 from radixkv.workloads import Request, TokenSource
 from radixkv.workloads.request import number
@@ -207,26 +207,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0], "results/multiturn")
     p.add_argument("--preset", default="peers", choices=sorted(PRESETS),
                    help="workload shape; the flags below override it")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--caches", default="none,hash,radix")
-    p.add_argument("--sessions", type=int)
-    p.add_argument("--turns", type=int)
-    p.add_argument("--system-tokens", type=int)
-    p.add_argument("--user-tokens", type=int)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
-    p.add_argument("--eviction-policy", default="lru")
-    p.add_argument("--schedule-policy", default="lpm")
-    p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
+    p.add_argument("--model", default="smollm2-135m", help="a built-in name, a HF directory or a .gguf file")
+    p.add_argument("--caches", default="none,hash,radix", help=f"comma-separated subset of {list(CACHES)}")
+    p.add_argument("--sessions", type=int, help="conversations served side by side")
+    p.add_argument("--turns", type=int, help="turns per conversation")
+    p.add_argument("--system-tokens", type=int, help="shared system prompt length")
+    p.add_argument("--user-tokens", type=int, help="new user tokens per turn")
+    p.add_argument("--max-new-tokens", type=int, help="generated tokens per turn (EOS ignored)")
+    p.add_argument("--page-size", type=int, default=1, help="radix cache page size (tokens)")
+    p.add_argument("--block-size", type=int, default=16, help="hash caches' block size (tokens)")
+    p.add_argument("--kv-cache-tokens", type=int, default=16384,
+                   help="KV pool size in tokens, the same for every cache")
+    p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
+                   help="the caches' eviction policy")
+    p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES, help="the engine's admission order")
+    p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size,
+                   help="longest prefill chunk per request and step")
     p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens,
                    help="the engine's token budget per step (decodes and prefill chunks)")
     p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--attention-backend", default="auto", help=" | ".join(ATTENTION_BACKENDS))
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the model's own (SmolLM2-135M: bfloat16)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="the engine's attention kernels")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")
     p.add_argument("--simulate", action="store_true", help="the simulator instead of the model")

@@ -20,27 +20,28 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import names_from
+from experiments.common import HelpFormatter, names_from
 from experiments.multiturn import VOCAB
 from radixkv.routing import ROUTERS
 from radixkv.workloads import TokenSource
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--routers", default="round_robin,affinity")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--sessions", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=500)
-    p.add_argument("--user-tokens", type=int, default=150)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="a built-in name, a HF directory or a .gguf file")
+    p.add_argument("--routers", default="round_robin,affinity", help=f"comma-separated subset of {sorted(ROUTERS)}")
+    p.add_argument("--replicas", type=int, default=2, help="engines, one Ray actor each")
+    p.add_argument("--sessions", type=int, default=16, help="conversations")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=500, help="shared system prompt length")
+    p.add_argument("--user-tokens", type=int, default=150, help="new user tokens per turn")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="generated tokens per turn")
     p.add_argument("--kv-cache-tokens", type=int, default=6144,
                    help="each replica's KV budget: the default holds about half the sessions' histories")
-    p.add_argument("--cpus-per-replica", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="docs/figures/routing_real")
+    p.add_argument("--cpus-per-replica", type=int, default=1, help="Ray CPUs and torch threads per replica")
+    p.add_argument("--seed", type=int, default=0, help="seed for the workload and the turn order")
+    p.add_argument("--out", default="docs/figures/routing_real",
+                   help="results path without extension: writes .jsonl and .png")
     return p
 
 

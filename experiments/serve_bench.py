@@ -58,7 +58,9 @@ Reports, one row per run (a table on stdout):
   prompt and generated tokens per second from the servers' ``usage``.
 * ``ttft``: time to the first streamed chunk carrying text or token ids;
   ``itl``: gaps between successive such chunks, pooled over all requests;
-  ``e2e``: send to last byte; each as mean, p50, p90, p99 in seconds.
+  ``e2e``: send to last byte; ``tpot``: per request, (e2e - ttft) over its
+  generated tokens after the first (vLLM's bench serve TPOT); each as mean,
+  p50, p90, p99 in seconds.
 * ``hit_rate_usage``: sum of ``usage.prompt_tokens_details.cached_tokens``
   over sum of ``usage.prompt_tokens`` (None where the server leaves it out);
   ``hit_rate_metrics``: the same from the server's Prometheus counters
@@ -112,7 +114,7 @@ MODELS: dict[str, tuple[int, int]] = {
 }
 WORKLOADS = ("multi-turn", "shared-prefix", "trace")
 STATS = ("mean", "p50", "p90", "p99")
-RATIO_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "itl_p50", "e2e_p50", "e2e_p99", "request_throughput",
+RATIO_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "e2e_p50", "e2e_p99", "request_throughput",
               "output_tok_s")
 WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 32, 4
 
@@ -465,6 +467,8 @@ def summarize(records: list[dict], duration: float, label: str) -> dict:
     out |= percentiles("ttft", [r["ttft"] for r in ok])
     out |= percentiles("itl", [g for r in ok for g in r["itl"]])
     out |= percentiles("e2e", [r["e2e"] for r in ok])
+    out |= percentiles("tpot", [(r["e2e"] - r["ttft"]) / (r["completion_tokens"] - 1) for r in ok
+                                if r["ttft"] is not None and (r["completion_tokens"] or 0) > 1])
     return out
 
 
@@ -642,9 +646,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--max-requests", type=int, default=5000, help="refuse a workload of more requests")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass of every request")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate max tokens even past EOS (vLLM's extra)")
     p.add_argument("--answer-tokens", choices=("server", "workload"), default="server",
                    help="what a multi-turn prompt contains as the previous answer (see the module docstring)")
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the run")
@@ -656,17 +661,17 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default=None, help="default: trace with --trace, else multi-turn")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=500)
-    p.add_argument("--user-tokens", type=int, default=150)
+    p.add_argument("--sessions", type=int, default=8, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=500, help="multi-turn: shared system prompt length")
+    p.add_argument("--user-tokens", type=int, default=150, help="multi-turn: new user tokens per turn")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens per turn")
     p.add_argument("--think-time", type=float, default=0.0, help="seconds between an answer and the next turn")
-    p.add_argument("--gsp-num-groups", type=int, default=4)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=128)
-    p.add_argument("--gsp-output-len", type=int, default=32)
+    p.add_argument("--gsp-num-groups", type=int, default=4, help="shared-prefix: groups (one system prompt each)")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8, help="shared-prefix: prompts per group")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
+    p.add_argument("--gsp-question-len", type=int, default=128, help="shared-prefix: question tokens per prompt")
+    p.add_argument("--gsp-output-len", type=int, default=32, help="shared-prefix: output tokens per prompt")
     p.add_argument("--trace", default=None, help=f"a Mooncake trace (default with --workload trace: {DEFAULT_TRACE})")
     p.add_argument("--num-requests", type=int, default=64, help="trace records replayed")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies the trace's gaps (0.1: 10x faster)")
@@ -757,7 +762,7 @@ def config(args: argparse.Namespace) -> dict:
 
 
 COLUMNS = ["run", "ok", "failed", "request_throughput", "output_tok_s", "ttft_mean", "ttft_p50", "ttft_p90",
-           "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "hit_rate_usage", "hit_rate_metrics"]
+           "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "hit_rate_usage", "hit_rate_metrics"]
 
 
 def report(args: argparse.Namespace, out: str, records: list[dict], summaries: list[dict]) -> list[dict]:

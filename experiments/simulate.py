@@ -30,6 +30,9 @@ from experiments.common import (  # noqa: E402
     write_rows,
 )
 from radixkv import workloads  # noqa: E402
+from radixkv.cache import CACHES  # noqa: E402
+from radixkv.cache.eviction import POLICIES  # noqa: E402
+from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
 
@@ -94,15 +97,16 @@ def plot(rows: list[dict], title: str):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = parser(__doc__.splitlines()[0], "results/simulate")
-    p.add_argument("--workload", default="shared_prefix", choices=sorted(workloads.WORKLOADS))
-    p.add_argument("--caches", default="radix,hash,none")
+    p.add_argument("--workload", default="shared_prefix", choices=sorted(workloads.WORKLOADS),
+                   help="the synthetic workload")
+    p.add_argument("--caches", default="radix,hash,none", help=f"comma-separated subset of {list(CACHES)}")
     p.add_argument("--capacity-fracs", default="0.05,0.1,0.2,0.4,0",
                    help="KV budgets as fractions of all tokens of the workload; 0 = unlimited")
-    p.add_argument("--eviction-policies", default="lru")
-    p.add_argument("--schedule-policies", default="lpm")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--eviction-policies", default="lru", help=f"comma-separated subset of {sorted(POLICIES)}")
+    p.add_argument("--schedule-policies", default="lpm", help=f"comma-separated subset of {list(SCHEDULE_POLICIES)}")
+    p.add_argument("--page-size", type=int, default=1, help="radix page size (tokens)")
+    p.add_argument("--block-size", type=int, default=16, help="hash block size (tokens)")
+    p.add_argument("--max-running", type=int, default=64, help="requests running at once")
     p.add_argument("--in-batch-sharing", type=int, default=None, help="token threshold; off when omitted")
     add_budget_flags(p)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's request count")

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--pooled", action="store_true", help="--capacities are totals over the N replicas (each: /N)")
     p.add_argument("--schedule-policies", default="fcfs", help="each replica's scheduling policies")
     p.add_argument("--eviction-policies", default="lru", help="each replica's eviction policies (online ones)")
-    p.add_argument("--cache", default="radix", choices=["radix", "hash"])
+    p.add_argument("--cache", default="radix", choices=["radix", "hash"], help="each replica's prefix cache")
     p.add_argument("--page-size", type=int, default=16, help="radix page size (tokens)")
     p.add_argument("--block-size", type=int, default=16, help="hash block size (tokens)")
     p.add_argument("--max-running", type=int, default=64, help="requests running at once per replica")

@@ -27,6 +27,7 @@ from radixkv import LLM, HashV0Cache, RadixCache, SamplingParams, SlotAllocator
 from radixkv.attention import AttentionBatch
 from radixkv.cache import CACHES
 from radixkv.cache.lifecycle import serve_once
+from radixkv.serve import HelpFormatter
 
 MODEL = "tiny-random"
 BLOCK = 4
@@ -303,7 +304,7 @@ def point_prefix_prefill() -> dict:
 
 
 def point_offline_online() -> dict:
-    """Offline: LLM(enable_prefix_caching=True); online: no server yet, the experiments take --caches hash-v0."""
+    """Offline: LLM(enable_prefix_caching=True); online: radixkv serve --enable-prefix-caching."""
     shared = list(range(1, 17))
     prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(3)]
     out: dict[str, Any] = {}
@@ -320,8 +321,8 @@ def point_offline_online() -> dict:
     out["outputs_equal"] = out["enable_prefix_caching=True"]["tokens"] == out["enable_prefix_caching=False"]["tokens"]
     out["cli_caches"] = list(CACHES)
     print(f"  outputs equal: {out['outputs_equal']}")
-    print(f"  online: no OpenAI server yet; experiments.multiturn and experiments.simulate take --caches from "
-          f"{','.join(CACHES)}")
+    print("  online: radixkv serve MODEL --prefix-cache hash-v0 [--enable-prefix-caching | "
+          "--no-enable-prefix-caching]; the experiments take --caches from " + ",".join(CACHES))
     return out
 
 
@@ -340,7 +341,8 @@ POINTS: dict[str, tuple[str, Callable[[], dict]]] = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", default="results/v0_walkthrough",
                    help="results path without extension (as for the other experiments): writes .json")
     args = p.parse_args(argv)

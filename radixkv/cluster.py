@@ -36,7 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - the ray extra is missing
     raise ImportError("radixkv.cluster needs Ray: pip install 'radixkv[ray]' (make install does)") from e
 
-from radixkv.config import SamplingParams
+from radixkv.config import EngineConfig, SamplingParams
 from radixkv.engine import LLM, RequestOutput, batch_arguments
 from radixkv.routing import make_router
 from radixkv.routing.base import EventRouter, LoadTracker
@@ -104,7 +104,9 @@ class Fleet:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if not (isinstance(num_cpus_per_replica, int) and num_cpus_per_replica >= 1):
             raise ValueError(f"num_cpus_per_replica must be an int >= 1, got {num_cpus_per_replica!r}")
-        self.router = make_router(router, **(router_params or {}))
+        geometry = {k: settings[k] for k in ("prefix_cache", "page_size", "block_size") if k in settings}
+        self.router = make_router(router, cache_block_size=EngineConfig(**geometry).kv_page_size,
+                                  **(router_params or {}))
         self.wants_events = isinstance(self.router, EventRouter)
         self.tracker = LoadTracker(replicas)
         self.decisions: list[int] = []

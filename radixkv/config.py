@@ -13,7 +13,7 @@ from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
 ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's own (radixkv.model.loader.model_dtype)
 FLASHINFER_DTYPES = ("bfloat16", "float16")  # FlashInfer has no float32 attention kernels
 
 
@@ -31,6 +31,8 @@ class EngineConfig:
     (0 disables it; it never applies without a prefix cache).
     ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
     (what was computed, the model's seconds): calibration data for the simulator.
+    ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
+    float32); ``LLM`` resolves it, so ``LLM(...).config.dtype`` is always a concrete name.
     """
 
     model: str = "smollm2-135m"
@@ -45,7 +47,7 @@ class EngineConfig:
     chunked_prefill_size: int = 1024
     max_running: int = 64
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     record_steps: bool = False
@@ -77,7 +79,7 @@ class EngineConfig:
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
-            (self.attention_backend != "flashinfer" or self.dtype in FLASHINFER_DTYPES,
+            (self.attention_backend != "flashinfer" or self.dtype in (*FLASHINFER_DTYPES, "auto"),
              f"attention_backend='flashinfer' needs dtype in {FLASHINFER_DTYPES} (FlashInfer has no float32 kernels); "
              "'auto' falls back to the PyTorch path for float32"),
             (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),

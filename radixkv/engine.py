@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 
 import torch
@@ -31,6 +31,7 @@ from radixkv.kv_pool import KVPool
 from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
 from radixkv.model.forward import build_forward
+from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
 from radixkv.scheduling import RequestState, Scheduler, make_policy
@@ -98,8 +99,9 @@ class LLM:
             prefix_cache = "none"
         elif enable_prefix_caching and prefix_cache == "none":
             raise ValueError("enable_prefix_caching=True contradicts prefix_cache='none'")
-        self.config = EngineConfig(model=model, prefix_cache=prefix_cache, **settings)
-        cfg = self.config
+        cfg = EngineConfig(model=model, prefix_cache=prefix_cache, **settings)
+        # "auto" becomes the model's own dtype here (one warning where bfloat16 cannot run)
+        self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, cfg.model, cfg.device))
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         mc = self.model.config

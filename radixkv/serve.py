@@ -20,36 +20,81 @@ import argparse
 import json
 import sys
 
-from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
+from radixkv.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EVICTION_POLICIES,
+    PREFIX_CACHES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
+from radixkv.routing import ROUTERS as ROUTER_NAMES
 
-ENGINE_FLAGS = ("page_size", "block_size", "kv_cache_tokens", "eviction_policy", "schedule_policy",
-                "max_batch_tokens", "chunked_prefill_size", "max_running", "dtype", "attention_backend", "seed")
+ENGINE_HELP = {
+    "page_size": "radix cache: tokens per KV page (a node holds whole pages)",
+    "block_size": "hash / hash-v0 caches: tokens per hashed block (also their KV page)",
+    "kv_cache_tokens": "KV pool size in tokens (None: a quarter of free memory, 1,024 to 2**20)",
+    "eviction_policy": "which unreferenced cache entries go first under memory pressure",
+    "schedule_policy": "order in which waiting requests are admitted (lpm: longest cached prefix first)",
+    "in_batch_sharing": "admit one of several waiting requests sharing an uncached prefix of at least this "
+                        "many tokens first (SGLang's in-batch prefix caching; 0 disables it)",
+    "max_batch_tokens": "tokens per step, decodes and prefill chunks together",
+    "chunked_prefill_size": "longest prefill chunk of one request per step",
+    "max_running": "most requests running at once",
+    "dtype": "weights and KV cache dtype; auto is the model's own (SmolLM2-135M: bfloat16)",
+    "attention_backend": "attention kernels: auto picks FlashInfer on a GPU (16-bit), radixkv's compiled CPU "
+                         "kernels on a CPU (16-bit), else PyTorch",
+    "seed": "seed for sampling and for random policies",
+}
+ENGINE_FLAGS = tuple(ENGINE_HELP)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default (unless its help already says what the default is) and the
+    description's own line breaks; the experiments' commands use it too."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="radixkv serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="radixkv serve", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("model", help="a built-in name (smollm2-135m, tiny-random, ...), a HF directory or a .gguf file")
-    p.add_argument("--prefix-cache", default="radix", choices=PREFIX_CACHES)
+    p.add_argument("--prefix-cache", default="radix", choices=PREFIX_CACHES,
+                   help="the prefix cache: radix tree (SGLang), hash blocks (vLLM v1 / v0), or none")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's spelling: --no-enable-prefix-caching is --prefix-cache none")
     defaults = EngineConfig()
-    for name in ENGINE_FLAGS:
-        kind = str if name in ("eviction_policy", "schedule_policy", "dtype", "attention_backend") else int
-        choices = DTYPES if name == "dtype" else ATTENTION_BACKENDS if name == "attention_backend" else None
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name), choices=choices)
+    choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "eviction_policy": sorted(EVICTION_POLICIES),
+               "schedule_policy": SCHEDULE_POLICIES}
+    for name, text in ENGINE_HELP.items():
+        kind = str if name in choices else _optional_int if name == "kv_cache_tokens" else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name),
+                       choices=choices.get(name), help=text)
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (None: MODEL)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
     p.add_argument("--replicas", type=int, default=1, help="engines behind a router, as Ray actors when > 1")
-    p.add_argument("--router", default="round_robin", help="which replica serves a request (radixkv.routing)")
+    p.add_argument("--router", default="round_robin", choices=sorted(ROUTER_NAMES),
+                   help="which replica serves a request (radixkv.routing)")
     p.add_argument("--router-params", type=json.loads, default=None,
-                   help='the router\'s parameters as JSON, e.g. \'{"block_size": 16}\' for kv_events')
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one here)")
+                   help='the router\'s parameters as JSON, e.g. \'{"overlap_score_weight": 2}\' for kv_events')
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (None: start one here)")
     p.add_argument("--cpus-per-replica", type=int, default=1, help="Ray CPUs and torch threads per replica")
     return p
+
+
+def _optional_int(text: str) -> int | None:
+    """``--kv-cache-tokens``: an integer, or None for the default size."""
+    return None if text.lower() == "none" else int(text)
 
 
 def build(args: argparse.Namespace):

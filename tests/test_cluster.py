@@ -1,4 +1,4 @@
-"""``radixkv.cluster`` (issue 32): tiny-random replicas as Ray actors on a local Ray (2 CPUs, no dashboard),
+"""``radixkv.cluster``: tiny-random replicas as Ray actors on a local Ray (2 CPUs, no dashboard),
 behind the simulator's routers; and ``radixkv serve --replicas 2``. Skipped where Ray is not installed."""
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def test_kv_events_route_by_what_each_replica_caches_and_match_the_simulator():
     that holds its history; the decisions are the simulated cluster's on the same requests."""
     rng = np.random.default_rng(0)
     a, b = (list(map(int, rng.integers(3, 500, 120))) for _ in range(2))
-    params = dict(replicas=2, router="kv_events", router_params={"block_size": 4})
+    params = dict(replicas=2, router="kv_events")  # its block size comes from the cache's page size
     with Cluster("tiny-random", kv_cache_tokens=KV, page_size=4, **params) as cluster:
+        assert cluster.router.block_size == 4
         first = cluster.generate([a, b], SP)
         second_prompts = [b + first[1].token_ids + [7], a + first[0].token_ids + [8]]
         second = cluster.generate(second_prompts, SP)
@@ -123,7 +124,7 @@ def test_kv_events_route_by_what_each_replica_caches_and_match_the_simulator():
 
 
 def test_affinity_decides_the_same_on_ray_as_in_the_simulator():
-    """Issue 32: radixkv's router, on the same request stream (6 conversations x 3 turns, turns shuffled),
+    """radixkv's router, on the same request stream (6 conversations x 3 turns, turns shuffled),
     sends every request to the same replica on the Ray cluster as in the simulated cluster."""
     rng = np.random.default_rng(1)
     histories = [SYSTEM + list(map(int, rng.integers(3, 500, 40 + 10 * s))) for s in range(6)]
@@ -216,7 +217,7 @@ def test_server_with_two_replicas_streams_reports_per_replica_and_survives_one_d
 def test_server_feeds_each_replica_s_cache_events_to_kv_events():
     """Two conversations sent at once spread by load; each next turn goes where its history is cached."""
     args = ("tiny-random", "--kv-cache-tokens", str(KV), "--page-size", "4", "--replicas", "2",
-            "--router", "kv_events", "--router-params", '{"block_size": 4}')
+            "--router", "kv_events")  # its block size comes from --page-size
     a, b = list(range(3, 120)), list(range(200, 320))
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 

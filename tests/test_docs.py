@@ -24,3 +24,39 @@ def test_pycon_examples_run_as_documented(path: Path):
     runner.run(test)
     failed, attempted = runner.summarize(verbose=False)
     assert attempted > 0 and failed == 0, f"{failed} of {attempted} examples in {path.name} failed (see above)"
+
+
+ROOT = DOCS.parent
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (but - and _), spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = FENCE.sub("", path.read_text())
+    return {slug(m) for m in re.findall(r"^#+\s+(.*)$", text, re.M)}
+
+
+def relative_links(path: Path) -> list[str]:
+    text = FENCE.sub("", path.read_text())
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+def test_every_relative_link_resolves(path: Path):
+    """Each relative link names a file (or folder) that exists, and an anchor into a Markdown file names one
+    of its headings."""
+    broken = []
+    for target in relative_links(path):
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert broken == [], f"{path.name}: broken links {broken}"

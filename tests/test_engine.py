@@ -72,7 +72,9 @@ def test_flashinfer_with_a_dtype_it_has_no_kernels_for_is_a_clear_error():
     from radixkv import EngineConfig
 
     with pytest.raises(ValueError, match="bfloat16.*float16"):
-        EngineConfig(attention_backend="flashinfer", device="cuda")
+        EngineConfig(attention_backend="flashinfer", device="cuda", dtype="float32")
+    with pytest.raises(ValueError, match="bfloat16.*float16"):  # auto resolves to tiny-random's own float32
+        LLM("tiny-random", attention_backend="flashinfer", device="cuda")
     assert EngineConfig(attention_backend="flashinfer", dtype="float16").dtype == "float16"
     assert EngineConfig(attention_backend="auto", device="cuda").attention_backend == "auto"  # falls back
 
@@ -292,6 +294,32 @@ def test_in_batch_sharing_waits_for_a_prefix_still_being_prefilled(cache):
     assert [o.num_cached_tokens for o in outs] == [0, 48, 48, 48]
     assert llm.stats()["prefill_tokens"] == 67 + 3 * (16 + 3)
     assert [o.token_ids for o in outs] == [o.token_ids for o in engine("none", chunk=16).generate(prompts, GREEDY)]
+    llm.check_idle()
+
+
+@pytest.mark.parametrize("cache,page", [("radix", 1), ("radix", 16), ("hash", 4), ("hash-v0", 8)])
+def test_prompts_sharing_an_uncached_prefix_are_prefilled_in_one_step(cache, page):
+    """In-batch sharing without the lost step: the three held-back prompts read the first one's KV for their
+    64 shared tokens in the same forward (its chunk computes all of them), so one prefill step serves all four;
+    they count the borrowed tokens as cached, compute only their own, and the outputs and books are exact."""
+    prompts = [list(range(100, 164)) + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    llm = engine(cache, page=page, in_batch_sharing=32, record_steps=True)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+    assert llm.step_log[0].prefill_tokens == llm.stats()["prefill_tokens"] == 67 + 3 * 3
+    assert sum(r.prefill_tokens > 0 for r in llm.step_log) == 1
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine("none").generate(prompts, GREEDY)]
+    llm.check_idle()
+
+
+def test_a_prefix_a_later_chunk_computes_is_not_borrowed_early():
+    """The first prompt's first chunk (48 tokens) computes only part of the shared 64: the second waits rather
+    than borrow part and recompute the rest, and joins the step of the chunk that computes the rest."""
+    prompts = [list(range(100, 164)) + [200 + i] for i in range(2)]
+    llm = engine("radix", chunk=48, in_batch_sharing=8, record_steps=True)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 64]
+    assert [r.prefill_tokens for r in llm.step_log[:2]] == [48, 17 + 1]  # the second joins the first's last chunk
     llm.check_idle()
 
 

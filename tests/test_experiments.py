@@ -236,11 +236,40 @@ def test_bench_engine_targets_carry_this_machines_floor_where_one_applies():
     summary = {"radix": cache, "hash": cache, "none": {**cache, "ttft_mean_later": 4.0}}
     ours = {"decode_ms_b1": 20.0, "decode_ms_b8": 30.0}
     floor = {"end_to_end_s": 8.0, "decode_ms_b1": 12.0, "decode_ms_b8": 19.0, "prefill_ms_per_token": 1.5}
-    rows = targets(summary, ours, floor)
-    assert [r["floor"] for r in rows] == [8.0, None, None, None, 12.0, 19.0, None]
-    assert [r["met"] for r in rows] == [False, True, True, True, False, True, True]
-    assert [r["reachable"] for r in rows] == [False] + [True] * 6  # 8 s floor against vLLM-CPU's 5.8 s
-    assert all(r["floor"] is None for r in targets(summary, ours))
+    peer = {"end_to_end_s": 5.0, "decode_ms_b1": 15.0, "decode_ms_b8": 30.0,
+            **{f"cached_per_req_t{t}": 1000 for t in range(1, 5)}}
+    rows = targets(summary, ours, floor, peer)
+    assert [r["floor"] for r in rows] == [None, None, None, 8.0 / 5.0, 12.0 / 15.0, 19.0 / 30.0, None]
+    assert [r["met"] for r in rows] == [True, True, True, False, False, True, True]
+    assert [r["reachable"] for r in rows] == [True] * 3 + [False] + [True] * 3  # floor 1.6x the peer's 5 s
+    alone = targets(summary, ours, floor)  # no peer: only the targets that need none, no remembered figure
+    assert len(alone) == 3 and all(r["floor"] is None for r in alone)
+
+
+def test_bench_engine_reads_the_peer_file_and_prints_ratios(tmp_path):
+    from experiments.bench_engine import ratios, read_peer
+
+    turns = [{"turn": t, "mean_ttft_s_median": 0.1 * t, "cached_per_request": [480, 490]} for t in range(1, 5)]
+    on = {"vllm_version": "0.32.0", "dtype": "bfloat16", "summary": {"total_s_median": 10.0, "per_turn": turns},
+          "micro": {"summary": {"prefill_ms_per_tok_engine_median": 0.5, "decode_bs1_ms_per_step_median": 20.0,
+                                "decode_bs8_ms_per_step_median": 40.0}}}
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps({"vllm_cpu_prefix_on": on, "vllm_cpu_prefix_off": {"summary": {"total_s_median": 30}}}))
+    peer = read_peer(path)
+    assert peer["end_to_end_s"] == 10.0 and peer["end_to_end_no_cache_s"] == 30
+    assert peer["ttft_mean_t2"] == 0.2 and peer["cached_per_req_t1"] == 485 and peer["decode_ms_b8"] == 40.0
+    summary = {"radix": {"end_to_end_s": 5.0, **{f"ttft_mean_t{t}": 0.05 * t for t in range(1, 5)}},
+               "none": {"end_to_end_s": 15.0}}
+    rows = {r["figure"]: r["ratio"] for r in ratios(summary, {"prefill_ms_per_token": 0.25, "decode_ms_b1": 10.0,
+                                                              "decode_ms_b8": 20.0}, peer)}
+    assert rows == pytest.approx({"end_to_end_s": 0.5, "end_to_end_no_cache_s": 0.5, "ttft_mean_t1": 0.5,
+                                  "ttft_mean_t2": 0.5, "ttft_mean_t3": 0.5, "ttft_mean_t4": 0.5,
+                                  "prefill_ms_per_token": 0.5, "decode_ms_b1": 0.5, "decode_ms_b8": 0.5})
+    with pytest.raises(ValueError, match="no such file"):
+        read_peer(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="vllm_cpu_multiturn"):
+        read_peer(tmp_path / "bad.json")
 
 
 def test_bad_input_to_an_experiment_is_one_line_and_exit_status_2(capsys, tmp_path):

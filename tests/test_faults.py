@@ -1,5 +1,5 @@
 """Faults in the middle of a step: whatever is raised, wherever, the engine keeps serving exact outputs and
-ends idle with every slot accounted for (issue 30's fault contract; docs/architecture.md)."""
+ends idle with every slot accounted for (the step's fault contract, docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -55,6 +55,21 @@ def test_cpu_backend_matches_dense_attention(kernels, case, head_dim, group, dty
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (128, 2), (40, 3)])
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c != "decodes"))
+def test_flash_prefill_matches_dense_attention(case, head_dim, group, dtype, tol):
+    """PyTorch's CPU flash kernel with the prefix as a cascade (the prefill part AMX CPUs take), on any CPU."""
+    from radixkv.cpu.flash_prefill import FlashPrefill
+
+    prefix, new = CASES[case]
+    pool, batch, q, dense = make_case(prefix, new, 1, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    part = FlashPrefill(pool, q.shape[1])
+    part.plan(batch, list(range(len(new))))
+    want = dense_attention(q, dense, prefix, new, group=group)
+    torch.testing.assert_close(part.run(q, 0).float(), want, atol=tol, rtol=tol)
+
+
 def test_prefill_kernel_is_as_close_to_exact_as_the_reference_in_bfloat16(kernels):
     """8 chunks of 150 after 500 cached tokens (the main job's shape): no worse than bf16 SDPA/bmm."""
     prefix, new = [500] * 3, [150] * 3

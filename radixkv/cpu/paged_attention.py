@@ -14,6 +14,10 @@ CSR metadata (``kv_indices``, ``kv_indptr``, ``qo_indptr``) instead:
   head_dim 64 or 128 on AVX-512 BF16 CPUs; any dtype with a head_dim that is
   a multiple of 8 on AVX2 CPUs (float32 arithmetic). Elsewhere prefill
   chunks take the reference's ``ReferencePrefill``.
+* ``FlashPrefill`` (``radixkv.cpu.flash_prefill``) instead of ``paged_prefill`` for a bfloat16 pool on a
+  CPU with AMX tiles (``amx_prefill``), where PyTorch's flash kernel multiplies through oneDNN's AMX
+  GEMMs: 1.3-2.2x faster per layer on a Xeon with AMX (a 1,024-token prompt, and 8 chunks of 150 after
+  500 or 1,000 cached tokens).
 
 The AVX2 prefill keeps each thread's scratch between calls, so a call faults
 no pages in: it grows to the largest request seen, about 8 x head_dim bytes
@@ -34,6 +38,7 @@ import torch
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.reference import ReferencePrefill
 from radixkv.attention.split import SplitBackend, StepPart, scale_for
+from radixkv.cpu.flash_prefill import FlashPrefill, amx_prefill
 from radixkv.cpu.kernels import load_cpu_kernels
 from radixkv.kv_pool import KVPool
 
@@ -89,8 +94,9 @@ class PagedPrefill:
 
 
 class CpuPagedBackend(SplitBackend):
-    """Decodes through ``PagedDecode``; prefill chunks through ``PagedPrefill`` where the kernels have a path
-    for the pool's dtype and head_dim (``prefill_supported``), else ``ReferencePrefill``.
+    """Decodes through ``PagedDecode``; prefill chunks through ``FlashPrefill`` on AMX CPUs in bfloat16
+    (``amx_prefill``), else ``PagedPrefill`` where the kernels have a path for the pool's dtype and head_dim
+    (``prefill_supported``), else ``ReferencePrefill``.
 
     ``run`` is then at most two kernel calls per layer. Construction builds
     the kernels if needed and raises ``RuntimeError`` when they cannot be
@@ -102,7 +108,8 @@ class CpuPagedBackend(SplitBackend):
             raise ValueError(f"the cpu backend needs a CPU pool, not {pool.device}")
         self.kernels = load_cpu_kernels()
         self.prefill_kernel = self.kernels.prefill_supported(str(pool.dtype).removeprefix("torch."), pool.head_dim)
-        prefill: StepPart = (PagedPrefill(pool, self.kernels, scale) if self.prefill_kernel
+        prefill: StepPart = (FlashPrefill(pool, num_qo_heads, scale) if amx_prefill(pool.dtype)
+                             else PagedPrefill(pool, self.kernels, scale) if self.prefill_kernel
                              else ReferencePrefill(pool, num_qo_heads, scale))
         self.paged_decode = PagedDecode(pool, self.kernels, scale)
         super().__init__("cpu", pool, num_qo_heads, scale, prefill=prefill, decode=self.paged_decode)

@@ -13,6 +13,11 @@
 * a ``.gguf`` file (dequantized through ``transformers``' GGUF support, which needs
   the ``gguf`` package).
 
+``dtype="auto"`` (the default) serves a model in its own dtype (``model_dtype``): a checkpoint's
+``torch_dtype`` in ``config.json``, a GGUF file's float tensors, or what a built-in model states
+(``tiny-random`` float32, the SmolLM2 ones bfloat16). ``resolve_dtype`` turns ``"auto"`` into that name
+and says, in one warning or error, where bfloat16 cannot run.
+
 It returns the model, its tokenizer (None for ``tiny-random``) and the
 ``transformers`` model that the weights came from when one was built (the
 parity tests compare against it; callers drop it otherwise).
@@ -31,6 +36,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,12 @@ SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
                       rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
 RANDOM_CONFIGS = {"tiny-random": TINY_CONFIG, "smollm2-135m-random": SMOLLM2_CONFIG}
+# What the built-in random models state as their own dtype: tiny-random is the tests' exact float32 oracle,
+# smollm2-135m-random has SmolLM2-135M's (bfloat16, as its Hugging Face config says).
+RANDOM_DTYPES = {"tiny-random": "float32", "smollm2-135m-random": "bfloat16"}
+DTYPES = ("float32", "bfloat16", "float16")
+# GGUF's ggml tensor types that are plain floats; every other type (Q4_1, Q8_0, K-quants, ...) is quantized.
+_GGUF_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 @dataclass
@@ -124,9 +137,7 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    files = sorted(path.glob("*.safetensors"))
-    if not (path / "config.json").is_file() or not files:
-        raise ModelNotFoundError(f"{path} is not a Hugging Face checkpoint (needs config.json and *.safetensors)")
+    files = sorted(path.glob("*.safetensors"))  # _locate checked there are some, and config.json
     model = LlamaForCausalLM(LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -139,13 +150,96 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     return LoadedModel(model.to(dtype=dtype, device=device).eval(), tok, None, str(path))
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def model_dtype(name: str) -> str:
+    """The dtype ``name`` comes in, read without loading its weights: one of ``DTYPES``.
+
+    * built-in random models: what ``RANDOM_DTYPES`` states;
+    * a Hugging Face directory: ``torch_dtype`` (or ``dtype``) in ``config.json``; float32 where it says
+      nothing, as ``transformers`` loads it then;
+    * a GGUF file: its 2-D (weight) tensors' type where they are all one float type (F32, F16, BF16);
+      quantized weights (Q4_1, Q8_0, ...) have no float type of their own and are served in bfloat16,
+      the 16-bit type with float32's range (SmolLM2-135M's GGUF file: Q4_1 weights, bfloat16).
+    """
+    kind, path = _locate(name)
+    if kind == "random":
+        return RANDOM_DTYPES[name]
+    if kind == "gguf":
+        return _gguf_dtype(path)
+    config = json.loads((path / "config.json").read_text())
+    stated = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    stated = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(stated, stated)
+    return stated if stated in DTYPES else "float32"
+
+
+def _gguf_dtype(path: Path) -> str:
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) >= 2}
+    if len(kinds) == 1 and next(iter(kinds)) in _GGUF_FLOATS:
+        return _GGUF_FLOATS[next(iter(kinds))]
+    return "bfloat16"
+
+
+def bfloat16_unavailable_reason(device: str = "cpu") -> str | None:
+    """Why bfloat16 cannot run on ``device``, or None when it can (a CUDA device before compute capability
+    8.0 has no bfloat16 arithmetic; a CPU build of torch runs it everywhere, fastest with AVX-512 BF16)."""
+    if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            return None  # the engine reports the missing device itself
+        if not torch.cuda.is_bf16_supported(including_emulation=False):
+            name = torch.cuda.get_device_name(torch.device(device))
+            return f"{name} has no bfloat16 arithmetic (compute capability below 8.0)"
+        return None
+    try:
+        torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return f"this build of torch cannot multiply bfloat16 on the CPU ({e})"
+    return None
+
+
+def resolve_dtype(dtype: str | torch.dtype, model: str, device: str = "cpu") -> str:
+    """The dtype name to serve ``model`` in: ``dtype`` itself, or for ``"auto"`` the model's own
+    (``model_dtype``). Where bfloat16 cannot run on ``device``: an explicit ``"bfloat16"`` is a
+    ``ValueError``; ``"auto"`` warns once and serves float16 on a GPU, float32 on a CPU."""
+    name = str(dtype).removeprefix("torch.")
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
+        why = bfloat16_unavailable_reason(device) if name == "bfloat16" else None
+        if why:
+            raise ValueError(f"dtype='bfloat16' cannot run here: {why}; pass dtype='float16' or 'float32'")
+        return name
+    name = model_dtype(model)
+    why = bfloat16_unavailable_reason(device) if name == "bfloat16" else None
+    if why:
+        instead = "float16" if torch.device(device).type == "cuda" else "float32"
+        warnings.warn(f"dtype='auto': {model!r} is bfloat16, which cannot run here ({why}); serving it in "
+                      f"{instead} instead", RuntimeWarning, stacklevel=2)
+        return instead
+    return name
+
+
+def load_model(name: str, dtype: torch.dtype | str = "auto", device: str = "cpu",
                keep_hf: bool = False) -> LoadedModel:
-    """A built-in name, a Hugging Face directory or a GGUF file; see the module docstring."""
-    if name in RANDOM_CONFIGS:
+    """A built-in name, a Hugging Face directory or a GGUF file; see the module docstring. ``dtype``: a torch
+    dtype, its name, or ``"auto"`` (``resolve_dtype``)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, resolve_dtype(dtype, name, device))
+    kind, path = _locate(name)
+    if kind == "random":
         return _random(name, dtype, device, keep_hf)
+    if kind == "gguf":
+        return _gguf(path, dtype, device, keep_hf)
+    return _hf_directory(path, dtype, device)
+
+
+def _locate(name: str) -> tuple[str, Path]:
+    """What ``name`` is: ``("random", _)``, ``("gguf", file)`` or ``("hf", directory)``; else
+    ``ModelNotFoundError`` saying what a model can be."""
+    if name in RANDOM_CONFIGS:
+        return "random", Path(name)
     if name == "smollm2-135m":
-        return _gguf(smollm2_gguf_path(), dtype, device, keep_hf)
+        return "gguf", smollm2_gguf_path()
     path = Path(name)
     if not path.exists():
         raise ModelNotFoundError(
@@ -153,7 +247,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
             "(config.json + *.safetensors) or a .gguf file (radixkv never downloads weights)"
         )
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf(path, dtype, device, keep_hf)
+        return "gguf", path
     if path.is_dir():
-        return _hf_directory(path, dtype, device)
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"{path} is not a Hugging Face checkpoint (needs config.json and *.safetensors)")
+        return "hf", path
     raise ModelNotFoundError(f"{name!r} is neither a .gguf file nor a checkpoint directory")

@@ -1,4 +1,4 @@
-"""Routing requests across replicas (issue 32): the ``Router`` interface and its policies.
+"""Routing requests across replicas: the ``Router`` interface and its policies.
 
 ``make_router(name, **params)``: ``round_robin``, ``least_load``, ``prefix_hash`` (know nothing of caches);
 ``cache_aware`` (SGLang), ``kv_events`` (Dynamo), ``preble`` (Preble's E2); ``affinity`` (radixkv's own,
@@ -6,6 +6,8 @@
 """
 
 from __future__ import annotations
+
+import inspect
 
 from radixkv.routing.affinity import Affinity
 from radixkv.routing.base import EventRouter, LoadTracker, ReplicaView, Router
@@ -16,15 +18,53 @@ ROUTERS = {"round_robin": RoundRobin, "least_load": LeastLoad, "prefix_hash": Pr
            "kv_events": KVEvents, "preble": Preble, "affinity": Affinity}
 
 
-def make_router(name: str, **params) -> Router:
-    """A fresh router by name; unknown names and bad parameters are a ``ValueError``."""
+def make_router(name: str, cache_block_size: int | None = None, **params) -> Router:
+    """A fresh router by name; unknown names and bad parameters are a ``ValueError``.
+
+    ``cache_block_size``: the replicas' cache geometry, tokens per page or block (the radix page size, the
+    hash caches' block size). A router that counts in blocks (one whose constructor takes ``block_size``,
+    such as ``kv_events``) takes it from there; a ``block_size`` in ``params`` that disagrees is a
+    ``ValueError`` naming both.
+    """
     if name not in ROUTERS:
         raise ValueError(f"unknown router {name!r}; choose one of {sorted(ROUTERS)}")
+    if cache_block_size is not None and takes_block_size(ROUTERS[name]):
+        check_block_size(name, params.get("block_size"), cache_block_size)
+        params = {**params, "block_size": cache_block_size}
     try:
         return ROUTERS[name](**params)
     except TypeError as e:
         raise ValueError(f"bad parameters for router {name!r}: {e}") from None
 
 
+def takes_block_size(router_cls: type) -> bool:
+    """Whether a router class counts in cache blocks (its constructor takes ``block_size``)."""
+    return "block_size" in inspect.signature(router_cls).parameters
+
+
+def check_block_size(name: str, router_block_size: object, cache_block_size: int) -> None:
+    """``ValueError`` when a router's block size is given and is not the cache's."""
+    if router_block_size is not None and router_block_size != cache_block_size:
+        raise ValueError(f"router {name!r} has block_size {router_block_size!r} but the replicas' cache has "
+                         f"{cache_block_size}-token pages/blocks: leave block_size out (it is taken from the "
+                         "cache) or make them equal")
+
+
+def fit_router(router: str | Router, cache_block_size: int | None, params: dict | None = None) -> Router:
+    """A router for replicas whose cache has ``cache_block_size``-token pages or blocks: built by name
+    (``make_router``) or, for a ``Router`` object, checked (its ``block_size``, where it has one, must be the
+    cache's). ``params`` go with a name only."""
+    if isinstance(router, str):
+        return make_router(router, cache_block_size=cache_block_size, **(params or {}))
+    if params:
+        raise ValueError("router_params go with a router name, not a router object")
+    if not isinstance(router, Router):
+        raise ValueError(f"router must be a name or a Router, got {type(router).__name__}")
+    if cache_block_size is not None:
+        check_block_size(router.name, getattr(router, "block_size", None), cache_block_size)
+    return router
+
+
 __all__ = ["ROUTERS", "Affinity", "CacheAware", "EventRouter", "KVEvents", "LeastLoad", "LoadTracker", "Preble",
-           "PrefixHash", "ReplicaView", "RoundRobin", "Router", "make_router"]
+           "PrefixHash", "ReplicaView", "RoundRobin", "Router", "check_block_size", "fit_router", "make_router",
+           "takes_block_size"]

@@ -8,7 +8,7 @@ KV router) also have ``observe(replica, event, time)``; a cluster attaches cache
 What a router knows of load is what the process routing the requests can count itself (``LoadTracker``):
 requests sent and not yet finished, and their tokens, as SGLang's router and Dynamo's count them. The
 simulator's cluster and the Ray cluster build their views with the same tracker and call the same router
-objects, so a router's decisions are the same in both (issue 32).
+objects, so a router's decisions are the same in both.
 """
 
 from __future__ import annotations

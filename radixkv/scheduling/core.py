@@ -12,6 +12,13 @@ cache's slots and lock), and also each block filled while decoding for a cache t
 (hash-v0); ``finish`` caches a finished request's sequence and unlocks it
 (``release_sequence``).
 
+Sharing within a step: a request the policy held back because a prefill is computing the prefix it shares
+(in-batch prefix sharing) is admitted in the same step when a prefill chunk of that step computes the whole
+shared prefix (``_lend``): it reads the lender's KV slots for it in the same forward, as the model stores
+a layer's K/V for every row before any row attends (vLLM v1 gets the same from caching blocks when they
+are allocated). The borrowed slots count as its cached prefix (``RequestState.cached``; its hit), and its
+commit, after the lender's in the same ``commit``, finds them in the cache.
+
 Memory comes in one of two ways:
 
 * grown as needed (``whole_kv=None``, the engine's): a chunk's or a decode token's slots are allocated
@@ -38,6 +45,13 @@ from radixkv.cache.base import PrefixCache, match_for_prefill
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def causal_pairs(new_tokens: int, prefix_len: int) -> float:
@@ -127,16 +141,43 @@ class Scheduler:
                 budget -= n
         # Ranked only when something can be admitted: ranking costs a match per waiting request (and a
         # draw of the random policy).
-        order = self._admission_order() if budget >= 1 and len(self.running) < self.max_running else ()
+        order, held = self._admission_order() if budget >= 1 and len(self.running) < self.max_running else ((), ())
         for s in order:
             if budget < 1 or len(self.running) >= self.max_running:
-                break
+                return batch
             n = self._admit(s, budget)
             if not n:
-                break  # out of KV memory until a running request finishes
+                return batch  # out of KV memory until a running request finishes
             batch.append((s, n))
             budget -= n
+        self._lend(held, batch, budget)
         return batch
+
+    def _lend(self, held: Sequence[RequestState], batch: Batch, budget: float) -> None:
+        """Admit each held-back request whose whole shared prefix a prefill chunk of this step computes,
+        borrowing that chunk's slots for it (see the module docstring). O(held x prefills x prompt)."""
+        for s in held:
+            if budget < 1 or len(self.running) >= self.max_running:
+                return
+            lender, length = self._lender(s, batch)
+            if lender is None:
+                continue
+            n = self._admit(s, budget, (lender, length))
+            if not n:
+                return
+            batch.append((s, n))
+            budget -= n
+
+    def _lender(self, s: RequestState, batch: Batch) -> tuple[RequestState | None, int]:
+        """The prefill of this step that computes, by its end, all that ``s`` shares with any prompt still being
+        prefilled (whole pages, at most all but its last token), and that length; ``(None, 0)`` if none does."""
+        prompt, ps = np.asarray(s.prompt), self.allocator.page_size
+        done = {id(r): r.computed + n for r, n in batch if r.prefilling}  # computed once this step has run
+        shared = {id(r): _common_prefix(prompt[:-1], np.asarray(r.prompt)) // ps * ps for r in self.running
+                  if r is not s and r.prefilling and r.namespace == s.namespace}
+        want = max(shared.values(), default=0)
+        lender = next((r for r in self.running if shared.get(id(r)) == want and done.get(id(r), 0) >= want), None)
+        return (lender, want) if lender is not None and want > 0 else (None, 0)
 
     def commit(self, batch: Batch, decode_tokens: int = 1) -> None:
         """After the step ran: every request advances by its tokens (a decode by ``decode_tokens``, for a
@@ -214,27 +255,38 @@ class Scheduler:
         self.waiting = [s for s in self.waiting if s.rid not in rids]
 
     # ------------------------------------------------------------- admission
-    def _admission_order(self) -> list[RequestState]:
-        """The waiting requests in policy order, ranked once per step (each is matched again when admitted)."""
+    def _admission_order(self) -> tuple[list[RequestState], list[RequestState]]:
+        """The waiting requests in policy order, ranked once per step (each is matched again when admitted), and
+        those a policy that sees prefills in flight held back, in arrival order (``_lend`` may admit them)."""
         if not self.waiting:
-            return []
+            return [], []
         if self.policy.name == "fcfs":  # arrival order: the queue's own (a preempted request at its front)
-            return list(self.waiting)
+            return list(self.waiting), []
         cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
                            if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
         # the running prefills, whose chunks will cache what they share with waiting requests
         in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
                      if s.prefilling] if self.policy.sees_in_flight else []
-        return [c.request for c in admission_order(self.policy, cands, in_flight)]
+        offered = [c.request for c in admission_order(self.policy, cands, in_flight)]
+        if not self.policy.sees_in_flight:
+            return offered, []
+        chosen = {id(r) for r in offered}
+        return offered, [s for s in self.waiting if id(s) not in chosen]
 
-    def _admit(self, s: RequestState, budget: float) -> int:
+    def _admit(self, s: RequestState, budget: float, lend: tuple[RequestState, int] | None = None) -> int:
         """Match, lock and allocate ``s``'s first chunk (or its whole KV); its chunk's tokens, or 0 when memory
-        is short (nothing changed then but the eviction)."""
+        is short (nothing changed then but the eviction). ``lend``: a prefill of this step and how many leading
+        tokens of ``s`` it computes, whose slots ``s`` takes as its cached prefix where they reach past the
+        cache's match."""
         m = match_for_prefill(self.cache, s.prompt, s.namespace)  # again: earlier admissions may have evicted
         self.cache.lock(m.node)
         s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
+        if lend is not None and lend[1] > m.length:
+            lender, length = lend
+            s.slots = np.concatenate([m.indices, lender.slots[m.length : length]])
+            s.cached = s.computed = length
         n = int(min(len(s.prompt) - s.computed, self.chunk, budget))
-        if not self._allocate(s, n if self.whole_kv is None else self.whole_kv(s) - m.length):
+        if not self._allocate(s, n if self.whole_kv is None else self.whole_kv(s) - s.cached):
             self.cache.unlock(m.node)
             s.reset()
             return 0
@@ -242,9 +294,9 @@ class Scheduler:
         self.waiting.remove(s)
         self.newly_admitted.append(s)
         if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
-            s.hit = m.length
+            s.hit = s.cached
             self.stats["prompt_tokens"] += len(s.prompt)
-            self.stats["cached_tokens"] += m.length
+            self.stats["cached_tokens"] += s.cached
         return n
 
     # ---------------------------------------------------------------- memory

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.bounds import upper_bound
-from radixkv.routing import Router, make_router
+from radixkv.routing import Router, fit_router
 from radixkv.routing.base import EventRouter, LoadTracker
 from radixkv.sim.engine import (
     CostModel,
@@ -149,7 +149,7 @@ def simulate_cluster(
             ``cluster_references`` gives them alone, to compute once for many routers.
     """
     requests = _numbered(_request_list(requests))
-    route = _router(router, router_params)
+    route = fit_router(router, page_size if cache == "radix" else block_size, router_params)
     limits = {"max_batch_tokens": max_batch_tokens, "chunked_prefill_size": chunked_prefill_size}
     _check_settings(max_running, limits, preemption, capacity_tokens=capacity_tokens, page_size=page_size,
                     block_size=block_size, seed=seed, replicas=replicas)
@@ -194,16 +194,6 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
     if belady and cache == "radix":
         out["pooled_belady"] = simulate(requests, eviction_policy="belady", **pooled).hit_rate
     return out
-
-
-def _router(router: str | Router, params: dict | None) -> Router:
-    if isinstance(router, str):
-        return make_router(router, **(params or {}))
-    if params:
-        raise ValueError("router_params go with a router name, not a router object")
-    if not isinstance(router, Router):
-        raise ValueError(f"router must be a name or a Router, got {type(router).__name__}")
-    return router
 
 
 def _params(router: Router) -> dict:
