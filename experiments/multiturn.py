@@ -1,7 +1,7 @@
 """The main job: multi-turn chat served by none / hash / radix prefix caching on a real model.
 
-``python -m experiments.multiturn`` (defaults: SmolLM2-135M in bfloat16 on the
-CPU, 2 threads, the workload the peers were measured on: a 500-token shared
+``python -m experiments.multiturn`` (defaults: SmolLM2-135M in its own dtype,
+bfloat16, on the CPU, 2 threads, the workload the peers were measured on: a 500-token shared
 system prompt, 8 sessions x 4 turns, 150 new user tokens and 32 generated
 tokens per turn, greedy, EOS ignored). Each turn's prompt is the whole
 history, previous answers included; turn k of every session is served

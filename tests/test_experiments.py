@@ -328,3 +328,15 @@ def test_simulator_schedules_the_steps_the_engine_runs(cache):
     simulated = [(tokens, pairs, decodes) for tokens, pairs, decodes, repeats in res.steps for _ in range(repeats)]
     assert any(0 < tokens < 40 and decodes for tokens, _, decodes in engine)  # chunks and decodes share steps
     assert simulated == engine
+
+
+def test_serve_medians_pools_the_repeats_of_each_run():
+    from experiments.serve_medians import medians
+
+    rows = [{"kind": "summary", "run": f"{name}-{rep}", "ttft_p50": t, "request_throughput": 1.0 + rep}
+            for name, ts in (("vllm-sp2", (3.0, 1.0, 2.0)), ("radixkv-sp2", (0.5,))) for rep, t in enumerate(ts)]
+    rows.append({"kind": "request", "run": "vllm-sp2-0", "ttft": 9.0})
+    got = {r["run"]: r for r in medians(rows)}
+    assert got["vllm-sp2"]["runs"] == 3 and got["vllm-sp2"]["ttft_p50"] == 2.0
+    assert got["vllm-sp2"]["request_throughput"] == 2.0 and got["radixkv-sp2"]["ttft_p50"] == 0.5
+    assert "tpot_p50" not in got["vllm-sp2"]  # a figure the rows lack is left out, not made up
