@@ -38,9 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 import radixkv
-from experiments.common import run_cli
+from experiments.common import HelpFormatter, run_cli
 from radixkv import HashBlockCache, PrefixCache, RadixCache, SlotAllocator
-from radixkv.serve import HelpFormatter
 
 CacheFactory = Callable[[int], PrefixCache]
 

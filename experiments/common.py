@@ -21,9 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-from radixkv.serve import HelpFormatter
-
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default (unless its help already says what the default is) and the
+    description's own line breaks: every experiment's command uses it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def parser(description: str, out: str) -> argparse.ArgumentParser:

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import matplotlib
 
-from radixkv.serve import HelpFormatter
-
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments import plots  # noqa: E402
-from experiments.common import names_from, read_rows, run_cli, save_figure  # noqa: E402
+from experiments.common import HelpFormatter, names_from, read_rows, run_cli, save_figure  # noqa: E402
 
 FIGURES: dict[str, tuple[str, Callable]] = {  # output name -> (source, plot function)
     "fig2_policy_bounds": ("ablation", plots.fig2_policy_bounds),

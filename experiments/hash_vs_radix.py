@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.common import run_cli, with_ext
+from experiments.common import HelpFormatter, run_cli, with_ext
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import serve_once
-from radixkv.serve import HelpFormatter
 
 BLOCK = 4
 

@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import environment, run_cli, with_ext
+from experiments.common import HelpFormatter, environment, run_cli, with_ext
 from radixkv import LLM, HashV0Cache, RadixCache, SamplingParams, SlotAllocator
 from radixkv.attention import AttentionBatch
 from radixkv.cache import CACHES
 from radixkv.cache.lifecycle import serve_once
-from radixkv.serve import HelpFormatter
 
 MODEL = "tiny-random"
 BLOCK = 4

@@ -38,6 +38,7 @@ except ImportError as e:  # pragma: no cover - the ray extra is missing
 
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.engine import LLM, RequestOutput, batch_arguments
+from radixkv.heap import freeze_startup_heap
 from radixkv.routing import make_router
 from radixkv.routing.base import EventRouter, LoadTracker
 
@@ -49,7 +50,9 @@ def build_llm(model: str, settings: dict, threads: int) -> LLM:
     import torch
 
     torch.set_num_threads(threads)
-    return LLM(model, **settings)
+    llm = LLM(model, **settings)
+    freeze_startup_heap()  # a replica's process is a server's: see freeze_startup_heap
+    return llm
 
 
 def describe(llm: LLM) -> tuple:

@@ -28,6 +28,7 @@ from radixkv.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from radixkv.heap import freeze_startup_heap
 from radixkv.routing import ROUTERS as ROUTER_NAMES
 
 ENGINE_HELP = {
@@ -49,20 +50,9 @@ ENGINE_HELP = {
 ENGINE_FLAGS = tuple(ENGINE_HELP)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with every option's default (unless its help already says what the default is) and the
-    description's own line breaks; the experiments' commands use it too."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        return text + " (default: %(default)s)"
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixkv serve", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="a built-in name (smollm2-135m, tiny-random, ...), a HF directory or a .gguf file")
     p.add_argument("--prefix-cache", default="radix", choices=PREFIX_CACHES,
                    help="the prefix cache: radix tree (SGLang), hash blocks (vLLM v1 / v0), or none")
@@ -133,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"radixkv serve: {e}", file=sys.stderr)
         return 2
+    freeze_startup_heap()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # running streams end now, not at the graceful timeout
