@@ -60,3 +60,11 @@ def test_every_relative_link_resolves(path: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(target)
     assert broken == [], f"{path.name}: broken links {broken}"
+
+
+def test_code_and_docstrings_name_no_issue_numbers():
+    """Code says what holds and why, not which ticket asked for it."""
+    pattern = re.compile(r"\bissues? #?\d+", re.I)
+    files = [p for folder in ("radixkv", "experiments", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")]
+    hits = [f"{p}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
