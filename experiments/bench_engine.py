@@ -36,6 +36,7 @@ is not installed).
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -267,7 +268,8 @@ def fmt(x) -> str:
     return f"{x:.3g}"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags as given; ``main`` resolves ``--dtype`` once the device is known."""
     p = parser(__doc__.splitlines()[0], "results/bench_engine")
     p.add_argument("--model", default="smollm2-135m", help="a built-in name, a HF directory or a .gguf file")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the model's own (SmolLM2-135M: bfloat16)")
@@ -281,7 +283,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for the GPU run (gpu_main)")
     p.add_argument("--quick", action="store_true",
                    help="with --device cuda: 4 sessions x 2 turns, 512-token contexts, 2 repeats (the GPU check)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     args.dtype = resolve_dtype(args.dtype, args.model, args.device)
     if args.device != "cpu":
         return gpu_main(args)

@@ -46,8 +46,9 @@ from experiments.common import (  # noqa: E402
 )
 from experiments.plots import fig5_block_size  # noqa: E402
 from radixkv import workloads  # noqa: E402
+from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES  # noqa: E402
 from radixkv.cache.radix import RadixCache  # noqa: E402
-from radixkv.config import EVICTION_POLICIES, SCHEDULE_POLICIES  # noqa: E402
+from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
 SIZES = {  # workload -> make() sizes; the request counts of experiments.ablation

@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
 from radixkv.cache import CACHES as ALL_CACHES
-from radixkv.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, SCHEDULE_POLICIES, EngineConfig
+from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.sim import CostModel, SimResult, simulate
 from radixkv.workloads import Request, TokenSource
 from radixkv.workloads.request import number

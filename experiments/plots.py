@@ -363,6 +363,45 @@ def _granularity(r: dict) -> int | None:
     return None if g is None else int(g)
 
 
+def _fig5_panel(ax: Any, sel: list[dict], workload: str, cap: Any) -> None:
+    """One panel of figure 5: the rows ``sel`` of one workload at one capacity, each arm by block size."""
+    styles = {"radix": dict(color=CACHE_COLORS["radix"], marker="o", linestyle="-", markersize=7),
+              "hash": dict(color=CACHE_COLORS["hash"], marker="s", linestyle="--", markersize=9,
+                           markerfacecolor="none", markeredgewidth=1.5),
+              "hash-v0": dict(color=CACHE_COLORS["hash-v0"], marker="x", linestyle=":", markersize=8)}
+    blocks: set[int] = set()
+    for arm, style in styles.items():
+        pts = sorted((_granularity(r), float(r["hit_rate"])) for r in sel
+                     if r["arm"] == arm and _granularity(r))
+        if pts:
+            blocks |= {b for b, _ in pts}
+            label = f"{arm}, page size B" if arm == "radix" else f"{arm}, block size B"
+            ax.plot(*zip(*pts, strict=True), label=label, **style)
+    ref = next((float(r["hit_rate"]) for r in sel if r["arm"] == "radix page 1"), None)
+    if ref is None:
+        ref = next((float(r["hit_rate"]) for r in sel if r["arm"] == "radix" and _granularity(r) == 1), None)
+    ub = next((_num(r.get("upper_bound")) for r in sel if _num(r.get("upper_bound")) is not None), None)
+    at_bound = ub is not None and ref is not None and abs(ub - ref) < 5e-4
+    if ref is not None:
+        ax.axhline(ref, color="k", linestyle=":", linewidth=1.2,
+                   label=f"radix page 1{' = upper bound' if at_bound else ''}: {ref:.3f}")
+    if ub is not None and not at_bound:
+        ax.axhline(ub, color="0.6", linewidth=1, label=f"upper bound (page 1): {ub:.3f}")
+    ax.set_xscale("log", base=2)
+    if blocks:
+        ax.set_xticks(sorted(blocks), [str(b) for b in sorted(blocks)])
+    ax.minorticks_off()
+    ax.set_xlabel("block size B (tokens)")
+    ax.set_ylabel("hit rate (prompt tokens)")
+    evicted = [r.get("evicted_tokens") for r in sel if r.get("evicted_tokens") is not None]
+    note = "" if not evicted else (", nothing evicted" if max(evicted) == 0 else ", evicting")
+    tokens = next((_num(r.get("capacity_tokens")) for r in sel if _num(r.get("capacity_tokens"))), None)
+    size = f" = {int(tokens):,} tokens" if tokens and "token" in str(cap) else ""
+    ax.set_title(f"{workload}: {cap}{size}{note}", fontsize=9.5)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="lower left")
+
+
 def fig5_block_size(rows: Sequence[dict]) -> Figure:
     """Figure 5: radix (page size = B) against hash (block size = B) hit rate as B grows.
 
@@ -384,44 +423,9 @@ def fig5_block_size(rows: Sequence[dict]) -> Figure:
                              squeeze=False, sharey="col")
     for i, cap in enumerate(caps):
         for j, w in enumerate(workloads):
-            ax = axes[i, j]
             sel = [r for r in data if r.get("workload", "?") == w
                    and r.get("capacity_label", _capacity_title(r.get("capacity_tokens"))) == cap]
-            styles = {"radix": dict(color=CACHE_COLORS["radix"], marker="o", linestyle="-", markersize=7),
-                      "hash": dict(color=CACHE_COLORS["hash"], marker="s", linestyle="--", markersize=9,
-                                   markerfacecolor="none", markeredgewidth=1.5),
-                      "hash-v0": dict(color=CACHE_COLORS["hash-v0"], marker="x", linestyle=":", markersize=8)}
-            blocks: set[int] = set()
-            for arm, style in styles.items():
-                pts = sorted((_granularity(r), float(r["hit_rate"])) for r in sel
-                             if r["arm"] == arm and _granularity(r))
-                if pts:
-                    blocks |= {b for b, _ in pts}
-                    label = f"{arm}, page size B" if arm == "radix" else f"{arm}, block size B"
-                    ax.plot(*zip(*pts, strict=True), label=label, **style)
-            ref = next((float(r["hit_rate"]) for r in sel if r["arm"] == "radix page 1"), None)
-            if ref is None:
-                ref = next((float(r["hit_rate"]) for r in sel if r["arm"] == "radix" and _granularity(r) == 1), None)
-            ub = next((_num(r.get("upper_bound")) for r in sel if _num(r.get("upper_bound")) is not None), None)
-            at_bound = ub is not None and ref is not None and abs(ub - ref) < 5e-4
-            if ref is not None:
-                ax.axhline(ref, color="k", linestyle=":", linewidth=1.2,
-                           label=f"radix page 1{' = upper bound' if at_bound else ''}: {ref:.3f}")
-            if ub is not None and not at_bound:
-                ax.axhline(ub, color="0.6", linewidth=1, label=f"upper bound (page 1): {ub:.3f}")
-            ax.set_xscale("log", base=2)
-            if blocks:
-                ax.set_xticks(sorted(blocks), [str(b) for b in sorted(blocks)])
-            ax.minorticks_off()
-            ax.set_xlabel("block size B (tokens)")
-            ax.set_ylabel("hit rate (prompt tokens)")
-            evicted = [r.get("evicted_tokens") for r in sel if r.get("evicted_tokens") is not None]
-            note = "" if not evicted else (", nothing evicted" if max(evicted) == 0 else ", evicting")
-            tokens = next((_num(r.get("capacity_tokens")) for r in sel if _num(r.get("capacity_tokens"))), None)
-            size = f" = {int(tokens):,} tokens" if tokens and "token" in str(cap) else ""
-            ax.set_title(f"{w}: {cap}{size}{note}", fontsize=9.5)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7.5, loc="lower left")
+            _fig5_panel(axes[i, j], sel, w, cap)
     fig.suptitle("Figure 5: radix vs hash hit rate as the block size grows", fontsize=11)
     fig.tight_layout()
     return fig

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
-from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
+from radixkv.stack import StackConfig, kv_page_size
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
 ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
@@ -19,7 +18,8 @@ FLASHINFER_DTYPES = ("bfloat16", "float16")  # FlashInfer has no float32 attenti
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """All engine settings. Unknown or out-of-range values raise ``ValueError`` at construction.
+    """All engine settings: the cache and scheduling ones (``StackConfig``'s, checked there; ``stack`` gives
+    them as one) and the model's. Unknown or out-of-range values raise ``ValueError`` at construction.
 
     ``kv_cache_tokens=None`` sizes the KV pool from free memory: a quarter of
     the memory available once the weights are loaded (the GPU's on a CUDA
@@ -27,8 +27,9 @@ class EngineConfig:
     (``radixkv.engine.default_kv_tokens``).
     ``in_batch_sharing`` is SGLang's in-batch prefix caching threshold: of
     waiting requests sharing an uncached prefix of at least that many tokens,
-    one is admitted first and the rest follow once its prefill is cached
-    (0 disables it; it never applies without a prefix cache).
+    one is admitted first and the rest follow once its prefill is cached, or in
+    the same step where that step computes it (0 disables it; it never applies
+    without a prefix cache).
     ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
     (what was computed, the model's seconds): calibration data for the simulator.
     ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
@@ -43,8 +44,8 @@ class EngineConfig:
     eviction_policy: str = "lru"
     schedule_policy: str = "lpm"
     in_batch_sharing: int = 32
-    max_batch_tokens: int = 4096
-    chunked_prefill_size: int = 1024
+    max_batch_tokens: int | None = 4096
+    chunked_prefill_size: int | None = 1024
     max_running: int = 64
     attention_backend: str = "auto"
     dtype: str = "auto"
@@ -60,42 +61,40 @@ class EngineConfig:
             object.__setattr__(self, "device", str(self.device))
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
-        ints = ("page_size", "block_size", "max_batch_tokens", "chunked_prefill_size", "max_running",
-                "in_batch_sharing", "seed")
-        types = [(is_int(getattr(self, name)), f"{name} must be an integer") for name in ints] + [
-            (self.kv_cache_tokens is None or is_int(self.kv_cache_tokens),
-             "kv_cache_tokens must be an integer or None"),
+        problems = self._model_problems()
+        if self.eviction_policy == "belady":
+            problems.append("eviction_policy 'belady' needs the future: the simulator's only")
+        if problems:
+            raise ValueError(f"invalid EngineConfig: {problems[0]} (got {self})")
+        try:
+            self.stack  # noqa: B018 - builds (so checks) the cache and scheduling settings
+        except ValueError as e:
+            raise ValueError(f"invalid EngineConfig: {e}") from None
+
+    def _model_problems(self) -> list[str]:
+        types = [
             (isinstance(self.record_steps, bool), "record_steps must be a bool"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
             (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
              "device must be 'cpu', 'cuda' or 'cuda:N'"),
-        ]
-        for ok, message in types:  # first, so that the range checks below compare numbers
-            if not ok:
-                raise ValueError(f"invalid EngineConfig: {message} (got {self})")
-        checks = [
-            (self.prefix_cache in PREFIX_CACHES, f"prefix_cache must be one of {PREFIX_CACHES}"),
-            (self.eviction_policy in EVICTION_POLICIES, f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}"),
-            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.attention_backend != "flashinfer" or self.dtype in (*FLASHINFER_DTYPES, "auto"),
              f"attention_backend='flashinfer' needs dtype in {FLASHINFER_DTYPES} (FlashInfer has no float32 kernels); "
              "'auto' falls back to the PyTorch path for float32"),
-            (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),
-            (self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens must be >= 1 or None"),
-            (self.max_batch_tokens >= 1 and self.chunked_prefill_size >= 1, "token budgets must be >= 1"),
-            (self.max_running >= 1, "max_running must be >= 1"),
-            (self.in_batch_sharing >= 0, "in_batch_sharing must be >= 0 (0 disables it)"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"invalid EngineConfig: {message} (got {self})")
+        return [message for ok, message in types if not ok]
+
+    @property
+    def stack(self) -> StackConfig:
+        """The cache and scheduling settings as one ``StackConfig`` (``kv_cache_tokens`` is its capacity)."""
+        values = {f.name: getattr(self, f.name) for f in fields(StackConfig) if f.name != "capacity_tokens"}
+        return StackConfig(**values, capacity_tokens=self.kv_cache_tokens)
 
     @property
     def kv_page_size(self) -> int:
-        """Slots per KV page: the hash caches' block (``hash``, ``hash-v0``), else the radix page."""
-        return self.block_size if self.prefix_cache in ("hash", "hash-v0") else self.page_size
+        """Slots per KV page (``StackConfig.kv_page_size``): the hash caches' block, the radix page, 1 for none."""
+        return kv_page_size(self.prefix_cache, self.page_size, self.block_size)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -24,17 +24,16 @@ from numbers import Integral
 import torch
 
 from radixkv.attention import AttentionBatch
-from radixkv.cache import make_cache
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.interrupts import deferred_interrupts
 from radixkv.kv_pool import KVPool
-from radixkv.memory import SlotAllocator
 from radixkv.model import load_model
 from radixkv.model.forward import build_forward
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import StepRecord, prepare_step
-from radixkv.scheduling import RequestState, Scheduler, make_policy
+from radixkv.scheduling import RequestState
+from radixkv.stack import build_stack, check_idle
 
 ROLES = ("system", "user", "assistant")
 
@@ -105,20 +104,15 @@ class LLM:
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         mc = self.model.config
-        ps, dtype = cfg.kv_page_size, getattr(torch, cfg.dtype)
+        dtype = getattr(torch, cfg.dtype)
         tokens = cfg.kv_cache_tokens or default_kv_tokens(
             KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype), cfg.device)
-        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=ps,
+        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=cfg.kv_page_size,
                            dtype=dtype, device=cfg.device)
-        self.allocator = SlotAllocator(self.pool.num_slots, ps)
-        self.cache = make_cache(cfg.prefix_cache, page_size=cfg.page_size, block_size=cfg.block_size,
-                                eviction_policy=cfg.eviction_policy)
+        stack = build_stack(cfg.stack, self.pool.num_slots)
+        self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
         self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend)
-        sharing = cfg.in_batch_sharing if cfg.prefix_cache != "none" else 0
-        policy = make_policy(cfg.schedule_policy, seed=cfg.seed, in_batch_sharing=sharing, page_size=ps)
-        self.scheduler = Scheduler(self.cache, self.allocator, policy, max_running=cfg.max_running,
-                                   max_batch_tokens=cfg.max_batch_tokens, chunked_prefill_size=cfg.chunked_prefill_size)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
         self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0}  # the scheduler counts tokens
@@ -326,15 +320,11 @@ class LLM:
     def check_idle(self) -> None:
         """The cache's and the allocator's invariants hold; when nothing waits or runs, nothing is protected
         and every slot is free or evictable (``AssertionError`` otherwise)."""
-        self.cache.check_invariants()
-        self.allocator.check_invariants()
         if self.waiting or self.running:
-            return
-        if self.cache.protected_size:
-            raise AssertionError(f"idle but {self.cache.protected_size} cached tokens are still locked")
-        held = self.allocator.num_free + self.cache.evictable_size
-        if held != self.allocator.capacity:
-            raise AssertionError(f"slots leaked: free + evictable = {held} != {self.allocator.capacity}")
+            self.cache.check_invariants()
+            self.allocator.check_invariants()
+        else:
+            check_idle(self.cache, self.allocator)
 
     # ------------------------------------------------------------------ running
     def _forward(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, AttentionBatch, float]:

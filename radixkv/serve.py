@@ -20,16 +20,11 @@ import argparse
 import json
 import sys
 
-from radixkv.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    EVICTION_POLICIES,
-    PREFIX_CACHES,
-    SCHEDULE_POLICIES,
-    EngineConfig,
-)
+from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
 from radixkv.heap import freeze_startup_heap
 from radixkv.routing import ROUTERS as ROUTER_NAMES
+from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 
 ENGINE_HELP = {
     "page_size": "radix cache: tokens per KV page (a node holds whole pages)",

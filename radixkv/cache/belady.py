@@ -46,10 +46,10 @@ class FutureUses:
 
     def next_use(self, prefix: bytes, namespace: Hashable) -> float:
         """Arrival rank of the first unserved request matching through ``prefix``'s last page; inf if none."""
-        node = self.tree._root_for(namespace, create=False)
+        node = self.tree.root_of(namespace)
         if node is None:
             return float("inf")
-        pb, off = self.tree._page_bytes, 0
+        pb, off = _ITEM * self.tree.page_size, 0
         while off < len(prefix):
             node = node.children.get(prefix[off : off + pb])
             if node is None or prefix[off : off + len(node.key)] != node.key[: len(prefix) - off]:
@@ -68,24 +68,25 @@ class FutureUses:
 class BeladyRadixCache(RadixCache):
     """``RadixCache`` whose eviction order is Belady's: farthest next use first.
 
-    A leaf's priority is computed from ``future`` when it becomes a candidate
-    and again whenever a match touches it; O(depth) Python steps plus copying
-    the leaf's whole prefix (O(prefix tokens)) per computation.
+    A leaf's priority (``farthest_first``, passed to ``RadixCache`` as its
+    ``priority``) is computed from ``future`` when it becomes a candidate and
+    again whenever a match touches it; O(depth) Python steps plus copying the
+    leaf's whole prefix (O(prefix tokens)) per computation.
     """
 
     def __init__(self, future: FutureUses, page_size: int = 1):
         if future.tree.page_size != page_size:
             raise ValueError("FutureUses and the cache must use the same page_size")
         self.future = future
-        super().__init__(page_size=page_size, eviction_policy="lru")
-        self.eviction_policy = "belady"
-        self._priority = self._farthest_first
+        super().__init__(page_size=page_size, eviction_policy="belady", priority=self.farthest_first)
 
-    def _farthest_first(self, node: RadixNode) -> float:
-        parts = [node.key[: self._page_bytes]]
+    def farthest_first(self, node: RadixNode) -> float:
+        """The eviction priority of leaf ``node``: minus the arrival rank of the first unserved request that
+        will match through its first page (-inf when none will), so the farthest next use goes first."""
+        parts = [node.key[: _ITEM * self.page_size]]
         walk = node.parent
         while walk.parent is not None:
             parts.append(walk.key)
             walk = walk.parent
         prefix = b"".join(reversed(parts))
-        return -self.future.next_use(prefix, self._namespace_of[id(walk)])
+        return -self.future.next_use(prefix, self.namespace_of(walk))

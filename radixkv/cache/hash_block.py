@@ -26,61 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from radixkv.cache import events, invariants, render
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, as_token_array
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.block import Block, BlockChain
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
 from radixkv.cache.eviction import get_policy
 from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
+from radixkv.cache.invariants import Require, requirer
+from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _LOCK_COUNT = attrgetter("lock_count")
 _HAS_CHILDREN = attrgetter("num_children")
-
-
-class Block:
-    """One cached KV block: ``block_size`` tokens and their slot indices.
-
-    ``lock_count`` counts the locked handles whose chain passes through the
-    block (vLLM's ``ref_cnt``); ``own_lock_count`` those that end at it, so a
-    block's ``lock_count`` is the sum of ``own_lock_count`` over itself and
-    the cached blocks below it. ``num_children`` counts the cached blocks
-    that chain from it.
-    """
-
-    __slots__ = (
-        "key", "parent_key", "tokens", "slots", "lock_count", "own_lock_count", "num_children",
-        "last_access", "hit_count", "created", "stamp", "cached",
-    )
-
-    def __init__(self, key: BlockKey, parent_key: BlockKey, tokens: bytes, slots: np.ndarray, now: int):
-        self.key = key
-        self.parent_key = parent_key
-        self.tokens = tokens  # int64 little-endian bytes
-        self.slots = slots
-        self.lock_count = self.own_lock_count = self.num_children = 0
-        self.last_access = now
-        self.hit_count = 0
-        self.created = now
-        self.stamp = -1
-        self.cached = True
-
-    def __repr__(self) -> str:
-        toks = np.frombuffer(self.tokens, dtype=LE_INT64)[:8].tolist()
-        return f"Block(tokens={toks}, lock={self.lock_count})"
-
-
-class BlockChain(NamedTuple):
-    """Handle returned by ``match_prefix``: the matched blocks, first to last."""
-
-    blocks: tuple
-
-    @property
-    def length_blocks(self) -> int:
-        return len(self.blocks)
 
 
 class HashBlockCache:
@@ -123,7 +84,7 @@ class HashBlockCache:
         self._priority = get_policy(eviction_policy)
         self.hash_algo = hash_algo
         self.eviction_policy = eviction_policy
-        self.listener: events.CacheListener | None = None  # called with every CacheEvent; kept across reset
+        self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
     @property
@@ -150,7 +111,7 @@ class HashBlockCache:
             self._keys.release(seed)
         self.root = BlockChain(())
         if self.listener is not None:
-            self.listener(events.AllBlocksCleared())
+            self.listener(AllBlocksCleared())
 
     # ------------------------------------------------------------- sizes
     @property
@@ -288,7 +249,7 @@ class HashBlockCache:
         self._queue.push_reversed(requeue + new)
         if self.listener is not None:  # the new blocks are one chain below keys[leading - 1]
             tokens = np.frombuffer(data[leading * step : len(keys) * step], dtype=LE_INT64).tolist()
-            self.listener(events.BlockStored(tuple(keys[leading:]), keys[leading - 1] if leading else None,
+            self.listener(BlockStored(tuple(keys[leading:]), keys[leading - 1] if leading else None,
                                              tuple(tokens), bs, namespace))
 
     def lock(self, node: BlockChain) -> None:
@@ -351,7 +312,7 @@ class HashBlockCache:
             if block is None:
                 break
             if self.listener is not None:
-                self.listener(events.BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
+                self.listener(BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
             block.cached = False
             del blocks[block.key]
             freed.append(block.slots)
@@ -416,16 +377,91 @@ class HashBlockCache:
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
-        """Verify every invariant; raise ``AssertionError`` naming the broken one. O(blocks + locked x depth)."""
-        invariants.check_hash_block(self)
+        """Verify every invariant (keys, reachability, lock counts, the free queue's order, sizes and slots);
+        raise ``AssertionError`` naming the broken one. O(blocks + locked x depth)."""
+        require = requirer("HashBlockCache")
+        locked = 0
+        children: dict[BlockKey, list[Block]] = {}
+        for key, block in self._blocks.items():
+            require(block.key == key and block.cached, "map keys match their blocks", block)
+            require(len(block.slots) == self.block_size == len(block.tokens) // 8 and block.slots.dtype == np.int64,
+                    "blocks are full, their indices int64", block)
+            require(block.lock_count >= 0, "lock counts >= 0", block)
+            require(self._hash(block.parent_key, block.tokens) == key, "key = H(parent key, tokens)", block)
+            require((block in self._queue) == (block.lock_count == 0), "free queue holds exactly the unlocked blocks",
+                    block)
+            locked += block.lock_count > 0
+            children.setdefault(block.parent_key, []).append(block)
+        self._check_tree(require, children)
+        self._check_lock_counts(require)
+        self._check_children_first(require)
+        require(len(self._queue) == len(self._blocks) - locked, "free queue size")
+        require(locked == self._protected_blocks, "sizes: protected",
+                f"counted {locked} blocks, recorded {self._protected_blocks}")
+        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
+        require(all_unique(self.held_slots()), "slot indices unique across the cache")
+
+    def _check_tree(self, require: Require, children: dict[BlockKey, list[Block]]) -> None:
+        """Every cached block hangs from a namespace's seed through cached blocks. O(blocks)."""
+        reached, stack = 0, self._keys.seeds()
+        while stack:
+            for block in children.get(stack.pop(), ()):
+                reached += 1
+                stack.append(block.key)
+        require(reached == len(self._blocks), "every block is reachable from its root",
+                f"{len(self._blocks) - reached} cached blocks hang from a block that is not cached")
+        for key, block in self._blocks.items():
+            require(block.num_children == len(children.get(key, ())), "child counts", block)
+
+    def _check_lock_counts(self, require: Require) -> None:
+        """Each block's lock_count is the sum of the own locks of the chains through it. O(locked handles x depth)."""
+        through: dict[BlockKey, int] = {}
+        for block in self._blocks.values():
+            require(block.own_lock_count >= 0, "own lock counts >= 0", block)
+            key, locks = block.key, block.own_lock_count
+            while locks and key in self._blocks:
+                through[key] = through.get(key, 0) + locks
+                key = self._blocks[key].parent_key
+        for key, block in self._blocks.items():
+            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through the block",
+                    block)
+
+    def _check_children_first(self, require: Require) -> None:
+        """``evict`` takes a block only after its cached children. O(blocks).
+
+        ``lru``: every queued block is ahead of its parent, so the head has no
+        cached child. Others: ``pop`` passes over a block with children, so
+        every unlocked leaf block must be ranked, or evict could get stuck.
+        """
+        if self._queue.ranks_by_stats:
+            ranked = self._queue.ranked()
+            for block in self._blocks.values():
+                if not block.lock_count and not block.num_children:
+                    require(block in ranked, "every unlocked leaf block is ranked", block)
+            return
+        position = {block: i for i, block in enumerate(self._queue)}
+        for block, i in position.items():
+            parent = self._blocks.get(block.parent_key)
+            if parent in position:
+                require(position[parent] > i, "children before parents in the free queue", block)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""
-        return render.hash_block_to_dict(self, namespace)
+        children: dict[Hashable, list[Block]] = {}
+        for block in self._blocks.values():
+            children.setdefault(block.parent_key, []).append(block)
+
+        def walk(block: Block) -> dict[str, Any]:
+            return entry_dict(np.frombuffer(block.tokens, dtype=LE_INT64).tolist(), block.slots.tolist(), block,
+                              [walk(c) for c in children.get(block.key, [])])
+
+        tree = empty_tree()
+        tree["children"] = [walk(b) for b in children.get(self._keys.seed(namespace), [])]
+        return tree
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's block tree plus queue statistics. O(blocks)."""
-        return render.draw_block_tree(
+        return draw_block_tree(
             f"HashBlockCache(block_size={self.block_size}, hash={self.hash_algo}, policy={self.eviction_policy}) "
             f"blocks={self.num_blocks} free_queue={len(self._queue)} total={self.total_size} "
             f"evictable={self.evictable_size} protected={self.protected_size}", self.to_dict())

@@ -55,8 +55,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from radixkv.cache import events, invariants, render
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, as_token_array
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
+from radixkv.cache.invariants import requirer
+from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -133,7 +135,7 @@ class HashV0Cache:
         self.block_size = int(block_size)
         self.eviction_policy = eviction_policy
         self.hash_algo = "builtin"
-        self.listener: events.CacheListener | None = None  # called with every CacheEvent; kept across reset
+        self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
     @property
@@ -157,7 +159,7 @@ class HashV0Cache:
         self._queried_tokens = self._hit_tokens = self._hashed_tokens = 0
         self.root = V0Chain((), self)
         if self.listener is not None:
-            self.listener(events.AllBlocksCleared())
+            self.listener(AllBlocksCleared())
 
     # ------------------------------------------------------------- sizes
     @property
@@ -315,7 +317,7 @@ class HashV0Cache:
             del self._blocks[(block.key, block.namespace)]
             self._unlocked -= 1
             if self.listener is not None:
-                self.listener(events.BlockRemoved(((block.key, block.namespace),), block.namespace))
+                self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
             freed.append(block.slots)
             count += self.block_size
         return np.concatenate(freed) if freed else _EMPTY.copy()
@@ -329,14 +331,14 @@ class HashV0Cache:
         self._spare.append(block.slots)
         self._spare_tokens += self.block_size
         if self.listener is not None:  # it leaves the table before the caller's copy takes its key
-            self.listener(events.BlockRemoved(((block.key, block.namespace),), block.namespace))
+            self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
 
     def _stored(self, covered: list[V0Block], leading: int, toks: list[int], namespace: Hashable) -> None:
         """Tell the listener about ``covered[leading:]``, an insert's new blocks. Block hashes are the table's
         keys, ``(hash, namespace)``: the hash alone may repeat across namespaces (``hash(-1) == hash(-2)``)."""
         bs = self.block_size
         parent = (covered[leading - 1].key, namespace) if leading else None
-        self.listener(events.BlockStored(tuple((b.key, namespace) for b in covered[leading:]), parent,
+        self.listener(BlockStored(tuple((b.key, namespace) for b in covered[leading:]), parent,
                                          tuple(toks[leading * bs : len(covered) * bs]), bs, namespace))
 
     def held_slots(self) -> np.ndarray:
@@ -380,8 +382,40 @@ class HashV0Cache:
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
-        """Verify every invariant; raise ``AssertionError`` naming the broken one. O(cached prefix tokens + heap)."""
-        invariants.check_hash_v0(self)
+        """Verify every invariant (keys: whole-prefix hashes, lock counts, sizes, the evictor's heap and slots);
+        raise ``AssertionError`` naming the broken one. O(cached prefix tokens + heap)."""
+        require = requirer("HashV0Cache")
+        bs, locked, through = self.block_size, 0, {}
+        for key, block in self._blocks.items():
+            require(key == (block.key, block.namespace) and block.cached, "table keys match their blocks", block)
+            require(len(block.slots) == bs and block.slots.dtype == np.int64, "blocks are full int64 slots", block)
+            prefix = block.prefix
+            require(len(block.tokens) == bs and len(prefix) == block.num_hashed_tokens, "blocks hold whole blocks",
+                    block)
+            require(hash((prefix, block.namespace)) == block.key, "key = hash((whole prefix, namespace))", block)
+            parent = None if len(prefix) == bs else hash((prefix[:-bs], block.namespace))
+            require(block.parent_key == parent, "parent key = hash of the prefix one block shorter", block)
+            require(block.lock_count >= 0 and block.own_lock_count >= 0, "lock counts >= 0", block)
+            locked += block.lock_count > 0
+            node, locks = block, block.own_lock_count
+            while locks and node is not None:  # a locked chain is whole: its parents are cached
+                through[id(node)] = through.get(id(node), 0) + locks
+                parent_key = node.parent_key
+                node = None if parent_key is None else self._blocks.get((parent_key, node.namespace))
+                require(parent_key is None or node is not None, "a locked block's parent is cached", block)
+        for block in self._blocks.values():
+            require(block.lock_count == through.get(id(block), 0), "lock_count = own locks of the handles through it",
+                    block)
+        require(locked == self._protected_blocks, "sizes: protected", (locked, self._protected_blocks))
+        require(len(self._blocks) - locked == self._unlocked, "sizes: unlocked", (locked, self._unlocked))
+        require(self._spare_tokens == sum(len(s) for s in self._spare), "sizes: spare slots")
+        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
+        live = {id(e[3]) for e in self._heap if self._live(e[2], e[3])}
+        for block in self._blocks.values():
+            require(block.lock_count > 0 or id(block) in live, "every unlocked block is ranked", block)
+        parts = [b.slots for b in self._blocks.values()] + self._spare
+        if parts:
+            require(all_unique(np.concatenate(parts)), "slot indices unique across the cache")
 
     def stranded(self) -> int:
         """Cached blocks whose parent is not cached (never matchable until a re-insert revives them). O(blocks)."""
@@ -390,11 +424,22 @@ class HashV0Cache:
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The reachable blocks of one namespace as a tree of nested dicts (stranded blocks left out). O(blocks)."""
-        return render.hash_v0_to_dict(self, namespace)
+        children: dict[int | None, list[V0Block]] = {}
+        for block in self._blocks.values():
+            if block.namespace == namespace:
+                children.setdefault(block.parent_key, []).append(block)
+
+        def walk(block: V0Block) -> dict[str, Any]:
+            return entry_dict(list(block.tokens), block.slots.tolist(), block,
+                              [walk(c) for c in children.get(block.key, [])])
+
+        tree = empty_tree()
+        tree["children"] = [walk(b) for b in children.get(None, [])]
+        return tree
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's reachable blocks plus sizes. O(blocks)."""
-        return render.draw_block_tree(
+        return draw_block_tree(
             f"HashV0Cache(block_size={self.block_size}) blocks={self.num_blocks} stranded={self.stranded()} "
             f"spare={self._spare_tokens} total={self.total_size} evictable={self.evictable_size} "
             f"protected={self.protected_size}", self.to_dict())

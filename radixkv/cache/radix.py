@@ -23,62 +23,29 @@ Design notes, because they decide the speed:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
 
-from radixkv.cache import events, invariants, render
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, as_token_array
+from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheListener,
+    block_hash,
+    block_hashes,
+    namespace_seed,
+    page_states,
+)
 from radixkv.cache.eviction import get_policy
+from radixkv.cache.invariants import requirer
+from radixkv.cache.radix_node import RadixNode
+from radixkv.cache.render import empty_tree
 
 _ITEM = 8  # bytes per token id (int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-class RadixNode:
-    """One edge of the tree and the node it leads to.
-
-    ``key`` holds the edge's token ids as int64 bytes and ``value`` their slot
-    indices (``len(key) == 8 * len(value)``). ``lock_count`` counts the locks
-    that protect the node: those held on it or anywhere in its subtree (one
-    per running request whose handle passes through it); ``own_lock_count``
-    those held on this very node, so ``lock_count == own_lock_count + sum of
-    the children's lock_count`` and only a node that was locked itself can be
-    unlocked.
-    """
-
-    __slots__ = (
-        "key", "value", "children", "parent", "lock_count", "own_lock_count",
-        "last_access", "hit_count", "created", "stamp", "prefix_state",
-    )
-
-    def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
-        self.key = key
-        self.value = value
-        self.children: dict[bytes, RadixNode] = {}
-        self.parent = parent
-        self.lock_count = 0
-        self.own_lock_count = 0
-        self.last_access = now
-        self.hit_count = 0
-        self.created = now
-        self.stamp = -1  # sequence number of this node's newest heap entry
-        self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The edge's token ids (a read-only int64 view)."""
-        return np.frombuffer(self.key, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.value)
-
-    def __repr__(self) -> str:
-        toks = self.tokens
-        shown = toks[:8].tolist()
-        more = "..." if len(toks) > 8 else ""
-        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_count})"
 
 
 class RadixCache:
@@ -88,6 +55,10 @@ class RadixCache:
         page_size: slots (tokens) per KV page, the unit the tree matches in: matches and inserts are
             rounded down to whole pages, and edges always hold whole pages.
         eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo`` (:mod:`radixkv.cache.eviction`).
+        priority: the eviction priority of a leaf (smallest evicted first) in place of ``eviction_policy``'s,
+            which then only names it (``BeladyRadixCache`` passes its clairvoyant one). It is called with the
+            leaf whenever it becomes an eviction candidate and whenever a match, insert or split touches it
+            while it is one, so it may read the leaf's place in the tree; its cost adds to those calls'.
 
     Costs (n = tokens in the query, d = depth of the matched path, N = nodes in the tree):
     ``match_prefix`` and ``insert`` are O(n) memcmp work plus O(d) Python steps, never a Python loop over
@@ -108,14 +79,15 @@ class RadixCache:
 
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
-    def __init__(self, page_size: int = 1, eviction_policy: str = "lru"):
+    def __init__(self, page_size: int = 1, eviction_policy: str = "lru",
+                 priority: Callable[[RadixNode], float] | None = None):
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         self.page_size = int(page_size)
         self.eviction_policy = eviction_policy
-        self._priority = get_policy(eviction_policy)
+        self._priority = get_policy(eviction_policy) if priority is None else priority
         self._page_bytes = _ITEM * self.page_size
-        self.listener: events.CacheListener | None = None  # called with every CacheEvent; kept across reset
+        self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -135,7 +107,7 @@ class RadixCache:
         self._queried_tokens = 0
         self._hit_tokens = 0
         if self.listener is not None:
-            self.listener(events.AllBlocksCleared())
+            self.listener(AllBlocksCleared())
 
     @property
     def total_size(self) -> int:
@@ -235,6 +207,16 @@ class RadixCache:
             self._root_ids.add(id(root))
             self._namespace_of[id(root)] = namespace
         return root
+
+    def root_of(self, namespace: Hashable = None) -> RadixNode | None:
+        """The root of ``namespace``'s tree (the default one always exists); None when it holds nothing. O(1)."""
+        return self._root_for(namespace, create=False)
+
+    def namespace_of(self, node: RadixNode) -> Hashable:
+        """The namespace whose tree ``node`` (one in the tree now) hangs from; a root's own. O(depth)."""
+        while node.parent is not None:
+            node = node.parent
+        return self._namespace_of[id(node)]
 
     # ----------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
@@ -432,31 +414,28 @@ class RadixCache:
             path.append(node)
             node = node.parent
         if node.prefix_state is None:  # a root
-            node.prefix_state = events.namespace_seed(self._namespace_of[id(node)])
+            node.prefix_state = namespace_seed(self._namespace_of[id(node)])
         state = node.prefix_state
         for below in reversed(path):
-            state = below.prefix_state = int(events.page_states(state, below.tokens, self.page_size)[-1])
+            state = below.prefix_state = int(page_states(state, below.tokens, self.page_size)[-1])
         return state
 
     def _stored(self, parent: RadixNode, leaf: RadixNode, namespace: Hashable) -> None:
         """Tell the listener about a new leaf's pages. O(depth + leaf tokens)."""
         start = self._state_at(parent)
-        states = events.page_states(start, leaf.tokens, self.page_size)
+        states = page_states(start, leaf.tokens, self.page_size)
         leaf.prefix_state = int(states[-1])
-        first_parent = None if parent.parent is None else events.block_hash(start)
-        self.listener(events.BlockStored(events.block_hashes(states), first_parent, tuple(leaf.tokens.tolist()),
+        first_parent = None if parent.parent is None else block_hash(start)
+        self.listener(BlockStored(block_hashes(states), first_parent, tuple(leaf.tokens.tolist()),
                                          self.page_size, namespace))
 
     def _removed(self, leaf: RadixNode) -> None:
         """Tell the listener about an evicted leaf's pages (the whole leaf goes). O(depth + leaf tokens)."""
-        root = leaf.parent
-        while root.parent is not None:
-            root = root.parent
-        states = events.page_states(self._state_at(leaf.parent), leaf.tokens, self.page_size)
-        self.listener(events.BlockRemoved(events.block_hashes(states), self._namespace_of[id(root)]))
+        states = page_states(self._state_at(leaf.parent), leaf.tokens, self.page_size)
+        self.listener(BlockRemoved(block_hashes(states), self.namespace_of(leaf)))
 
     # ------------------------------------------------------------- inspection
-    def _all_nodes(self):
+    def _all_nodes(self) -> Iterator[RadixNode]:
         stack = list(self._roots.values())
         while stack:
             node = stack.pop()
@@ -465,16 +444,45 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def check_invariants(self) -> None:
-        """Verify every structural invariant; raise ``AssertionError`` naming the broken one. O(N + tokens)."""
-        invariants.check_radix(self)
+        """Verify every structural invariant (the tree's structure, lock counts, sizes, heap and slots); raise
+        ``AssertionError`` naming the broken one. O(N + tokens)."""
+        require = requirer("RadixCache")
+        live = {id(e[2]) for e in self._heap if self._entry_is_live(e)}
+        total = protected = nodes = 0
+        for ns, root in self._roots.items():
+            require(root.parent is None and not root.key and root.lock_count == 0, "root",
+                    f"root of namespace {ns!r} must be empty, parentless and unlocked")
+        for node in self._all_nodes():
+            nodes += 1
+            n = len(node.value)
+            node.check_invariants(require, self.page_size, self._clock)
+            if not node.children and node.lock_count == 0:
+                require(id(node) in live, "every evictable leaf is in the eviction heap", node)
+            total += n
+            protected += n if node.lock_count > 0 else 0
+        require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
+        require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
+        require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
+        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
+        require(all_unique(self.held_slots()), "slot indices unique across the tree")
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
-        """The tree of one namespace as nested dicts (for notebooks and tests). O(N + tokens)."""
-        return render.radix_to_dict(self, namespace)
+        """The tree of one namespace as nested dicts, one per node (an empty root if it holds nothing), for
+        notebooks and tests. O(N + tokens)."""
+        root = self.root_of(namespace)
+        return root.to_dict() if root is not None else empty_tree()
 
     def pretty_print(self) -> str:
         """An indented text drawing of every namespace's tree. O(N + tokens)."""
-        return render.radix_pretty_print(self)
+        lines = [
+            f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}) "
+            f"total={self.total_size} evictable={self.evictable_size} protected={self.protected_size}"
+        ]
+        for ns, root in self._roots.items():
+            if ns is not None or len(self._roots) > 1:
+                lines.append(f"namespace {ns!r}:")
+            root.draw(lines, 1)
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,89 @@
+"""``RadixNode``: one edge of :class:`~radixkv.cache.radix.RadixCache`'s tree and the node it leads to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.invariants import Require
+from radixkv.cache.render import entry_dict, shown
+
+_ITEM = 8  # bytes per token id (int64)
+
+
+class RadixNode:
+    """One edge of the tree and the node it leads to.
+
+    ``key`` holds the edge's token ids as int64 bytes and ``value`` their slot
+    indices (``len(key) == 8 * len(value)``). ``lock_count`` counts the locks
+    that protect the node: those held on it or anywhere in its subtree (one
+    per running request whose handle passes through it); ``own_lock_count``
+    those held on this very node, so ``lock_count == own_lock_count + sum of
+    the children's lock_count`` and only a node that was locked itself can be
+    unlocked.
+    """
+
+    __slots__ = (
+        "key", "value", "children", "parent", "lock_count", "own_lock_count",
+        "last_access", "hit_count", "created", "stamp", "prefix_state",
+    )
+
+    def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
+        self.key = key
+        self.value = value
+        self.children: dict[bytes, RadixNode] = {}
+        self.parent = parent
+        self.lock_count = 0
+        self.own_lock_count = 0
+        self.last_access = now
+        self.hit_count = 0
+        self.created = now
+        self.stamp = -1  # sequence number of this node's newest heap entry
+        self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The edge's token ids (a read-only int64 view)."""
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        toks = self.tokens
+        shown = toks[:8].tolist()
+        more = "..." if len(toks) > 8 else ""
+        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_count})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """This node's subtree as nested dicts, one per node (the layout of :func:`radixkv.cache.render.entry_dict`).
+        O(subtree nodes + tokens)."""
+        return entry_dict(self.tokens.tolist(), self.value.tolist(), self,
+                          [child.to_dict() for child in self.children.values()])
+
+    def draw(self, lines: list[str], depth: int) -> None:
+        """Append an indented text line per node of this node's subtree below it (children at ``depth``) to
+        ``lines``, as ``RadixCache.pretty_print`` draws them. O(subtree nodes)."""
+        for child in self.children.values():
+            toks = child.tokens
+            lines.append(f"{'  ' * depth}[{shown(toks)}] len={len(toks)} lock={child.lock_count} "
+                         f"hits={child.hit_count} t={child.last_access}")
+            child.draw(lines, depth + 1)
+
+    def check_invariants(self, require: Require, page_size: int, clock: int) -> None:
+        """This non-root node's own invariants within a tree of ``page_size`` pages whose logical clock reads
+        ``clock``: a non-empty page-aligned edge, its parent's child key, lock counts, dtype, time stamps;
+        ``require`` (:func:`radixkv.cache.invariants.requirer`) fails. O(children)."""
+        n = len(self.value)
+        require(n > 0 and len(self.key) > 0, "no empty non-root node", self)
+        require(len(self.key) == _ITEM * n, "key and value lengths", self)
+        require(n % page_size == 0, "edge lengths page-aligned", (self, f"page_size={page_size}"))
+        require(self.parent.children.get(self.key[: _ITEM * page_size]) is self, "child keys match their edges", self)
+        require(self.lock_count >= 0, "lock counts >= 0", self)
+        child_locks = sum(c.lock_count for c in self.children.values())
+        require(self.own_lock_count >= 0 and self.lock_count == self.own_lock_count + child_locks,
+                "lock counts consistent with the children",
+                (self, f"own_lock_count {self.own_lock_count}, children's lock_count sum to {child_locks}"))
+        require(self.value.dtype == np.int64, "indices are int64", self)
+        require(self.last_access <= clock and self.created <= clock, "logical clock", self)
