@@ -25,17 +25,17 @@ import torch
 
 from radixkv.attention import AttentionBatch
 from radixkv.config import EngineConfig, SamplingParams
+from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.forward import build_forward
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
-from radixkv.model.step import StepRecord, prepare_step
+from radixkv.model.step import prepare_step
 from radixkv.scheduling import RequestState
+from radixkv.sim.cost import StepRecord
 from radixkv.stack import build_stack, check_idle
-
-ROLES = ("system", "user", "assistant")
 
 
 class EngineStalledError(RuntimeError):
@@ -113,6 +113,8 @@ class LLM:
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
         self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend)
+        self.prompts = Prompts(self.tokenizer, mc.vocab_size, mc.max_position_embeddings, self.allocator.capacity,
+                               cfg.model)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
         self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0}  # the scheduler counts tokens
@@ -122,30 +124,12 @@ class LLM:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     namespace: Hashable = None) -> int:
         """Queue one request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
-        params = _sampling_params(params)
+        params = sampling_params_of(params)
         try:
             hash(namespace)  # the cache keys its trees by it: an unhashable one would fail every later step
         except TypeError:
             raise ValueError(f"namespace must be hashable, got {type(namespace).__name__}") from None
-        return self._queue(self._checked(prompt, params), params, namespace)
-
-    def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ``ValueError`` if the engine could never serve it."""
-        ids = self._encode(prompt)
-        mc = self.model.config
-        if not ids:
-            raise ValueError("empty prompt: a request needs at least one token")
-        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {mc.vocab_size}): {bad[:5]}")
-        need = len(ids) + params.max_new_tokens
-        if need > mc.max_position_embeddings:
-            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
-                             f"context of {mc.max_position_embeddings} tokens")
-        if need - 1 > self.allocator.capacity:  # the last generated token's KV is never computed
-            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) cannot fit in the "
-                             f"KV pool of {self.allocator.capacity} tokens even alone")
-        return ids
+        return self._queue(self.prompts.check(prompt, params), params, namespace)
 
     def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
         rid = self._next_id
@@ -201,7 +185,7 @@ class LLM:
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
-            self.step_log.append(StepRecord.of(ab, seconds, model_s, prefill_rows))
+            self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, prefill_rows))
 
     def abort(self, request_ids: int | Iterable[int]) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
@@ -231,7 +215,7 @@ class LLM:
         meanwhile are returned by the next ``step()``.
         """
         prompts, params = batch_arguments(prompts, sampling_params)
-        checked = [self._checked(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        checked = [self.prompts.check(p, sp) for p, sp in zip(prompts, params, strict=True)]
         rids: list[int] = []
         mine: set[int] = set()
         done: dict[int, RequestOutput] = {}
@@ -259,42 +243,11 @@ class LLM:
     def chat(self, conversations: Sequence[Sequence[dict]] | Sequence[dict],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Each conversation a list of ``{"role", "content"}`` messages, formatted by the chat template."""
-        if not isinstance(conversations, Sequence) or isinstance(conversations, str | bytes):
-            raise ValueError(f"conversations must be a list of messages or of conversations, got "
-                             f"{type(conversations).__name__}")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self.generate([self.chat_prompt(conv) for conv in conversations], sampling_params)
+        return self.generate(self.prompts.conversations(conversations), sampling_params)
 
     def chat_prompt(self, conv: Sequence[dict]) -> list[int]:
         """One conversation's prompt token ids through the chat template (``ValueError`` for bad messages)."""
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.config.model!r} has no tokenizer or chat template")
-        if isinstance(conv, str | bytes) or not isinstance(conv, Sequence) or not conv:
-            raise ValueError("a conversation is a non-empty list of messages")
-        for msg in conv:
-            if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-                raise ValueError(f"bad message {msg!r}: role must be one of {ROLES} and content a string")
-        return self._chat_ids(conv)
-
-    def _chat_ids(self, conv: Sequence[dict]) -> list[int]:
-        """The template's parts tokenized with their control tokens, each message's content as plain text:
-        a content holding ``<|im_start|>`` gets the string's ordinary tokens, so it cannot open a turn.
-        The template is rendered with a placeholder per content, split there, and the pieces tokenized
-        separately (the same ids as one pass for ordinary text: the template puts a newline or a control
-        token at each boundary)."""
-        marks = [f"\x00radixkv-content-{i}\x00" for i in range(len(conv))]
-        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": mark} for m, mark in
-                                                   zip(conv, marks, strict=True)], add_generation_prompt=True,
-                                                  tokenize=False)
-        ids: list[int] = []
-        for msg, mark in zip(conv, marks, strict=True):
-            before, found, text = text.partition(mark)
-            if not found:
-                raise ValueError(f"model {self.config.model!r}'s chat template drops or rewrites message contents")
-            ids += self.tokenizer(before, add_special_tokens=False)["input_ids"]
-            ids += self.tokenizer(msg["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return ids + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.prompts.chat_prompt(conv)
 
     def stats(self) -> dict:
         """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions, and time.
@@ -310,6 +263,28 @@ class LLM:
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
+
+    def flush_cache(self) -> int:
+        """Evict every cached token no running request holds (SGLang's ``/flush_cache``): how many slots were
+        freed. Safe between steps."""
+        with deferred_interrupts():
+            slots = self.cache.evict(self.cache.evictable_size)
+            self.allocator.free(slots)
+        return len(slots)
+
+    def cache_state(self) -> dict:
+        """The prefix cache as the server's ``/v1/cache`` shows it: its stats, sizes, the allocator's free and
+        total slots, and whether its invariants hold (with the problem where they do not)."""
+        try:
+            self.cache.check_invariants()
+            ok, problem = True, None
+        except AssertionError as e:
+            ok, problem = False, str(e)
+        c = self.cache
+        return {"prefix_cache": self.config.prefix_cache, "stats": c.stats(), "total_size": c.total_size,
+                "evictable_size": c.evictable_size, "protected_size": c.protected_size,
+                "free_slots": self.allocator.num_free, "capacity": self.allocator.capacity,
+                "invariants_hold": ok, "problem": problem}
 
     def reset_stats(self) -> None:
         """Zero the counters and the step log (the cache keeps its contents): e.g. after a warm-up request."""
@@ -395,61 +370,6 @@ class LLM:
                 f"{self.allocator.num_free}, evictable {self.cache.evictable_size}, protected (locked) "
                 f"{self.cache.protected_size} of {self.allocator.capacity}; {len(self.running)} running, "
                 f"{len(self.waiting)} waiting")
-
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model!r} has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        try:
-            if isinstance(prompt, bytes | bytearray | set | frozenset | dict):  # iterable, but not token ids
-                raise TypeError
-            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # numpy arrays and tensors too
-        except TypeError:
-            raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") from None
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
-        if bad:
-            raise ValueError(f"token ids must be integers, got {bad[:5]}")
-        return [int(t) for t in ids]
-
-
-def batch_arguments(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-    """``generate``'s arguments as two lists of the same length: one prompt (text or token ids) or a list of
-    them, and one ``SamplingParams`` for all or one each (``ValueError`` otherwise)."""
-    if isinstance(prompts, bytes | bytearray | set | frozenset | dict | Integral) or not (
-            isinstance(prompts, str | Sequence) or hasattr(prompts, "ndim")):
-        raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
-    if isinstance(prompts, str) or _is_token_list(prompts):
-        prompts = [prompts]
-    one = sampling_params is None or isinstance(sampling_params, SamplingParams)
-    params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    return list(prompts), [_sampling_params(sp) for sp in params]
-
-
-def _sampling_params(params: object) -> SamplingParams:
-    """``params``, or the defaults for None; anything else is a ``ValueError``."""
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling params must be SamplingParams or None, got {type(params).__name__}")
-    return params
-
-
-def _as_list(params: object) -> list:
-    if isinstance(params, str | bytes | dict) or not isinstance(params, Sequence):
-        raise ValueError("sampling_params must be SamplingParams, None, or a list of them, one per prompt; "
-                         f"got {type(params).__name__}")
-    return list(params)
-
-
-def _is_token_list(prompts) -> bool:
-    """Whether ``generate``'s argument is one prompt of token ids rather than a list of prompts."""
-    if hasattr(prompts, "ndim"):  # a numpy array or a tensor: 1-D is one prompt
-        return prompts.ndim == 1
-    return bool(prompts) and isinstance(prompts[0], Integral)
-
 
 def default_kv_tokens(bytes_per_slot: int, device: str = "cpu") -> int:
     """KV pool size when none is given: a quarter of the memory available now, at least 1,024 and at

@@ -66,7 +66,7 @@ class StackConfig:
         ints = ("page_size", "block_size", "max_running", "in_batch_sharing", "seed")
         optional = ("capacity_tokens", "max_batch_tokens", "chunked_prefill_size")
         wrong = [f"{n} must be an integer" for n in ints if not is_int(getattr(self, n))]
-        wrong += [f"{n} must be an integer or None" for n in optional
+        wrong += [f"{n} must be an integer or None (capacity_tokens and the token budgets)" for n in optional
                   if getattr(self, n) is not None and not is_int(getattr(self, n))]
         if wrong:
             return wrong
@@ -146,6 +146,15 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     scheduler = Scheduler(prefix_cache, allocator, policy, max_running=config.max_running, max_batch_tokens=budget,
                           chunked_prefill_size=chunk, whole_kv=whole_kv)
     return Stack(prefix_cache, allocator, scheduler)
+
+
+def cache_name(cache: PrefixCache) -> str:
+    """The ``make_cache`` name of a cache object's kind (a Belady tree is a radix tree)."""
+    kinds = {"RadixCache": "radix", "HashBlockCache": "hash", "HashV0Cache": "hash-v0", "NoPrefixCache": "none"}
+    for cls in type(cache).__mro__:
+        if cls.__name__ in kinds:
+            return kinds[cls.__name__]
+    raise ValueError(f"{type(cache).__name__} is not a cache make_cache builds (one of {CACHES})")
 
 
 def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:

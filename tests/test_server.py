@@ -170,7 +170,7 @@ def test_chat_completions_through_the_template():
         c = client(base)
         messages = [{"role": "user", "content": "Say hello."}]
         out = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0)
-        llm_ids = app.state.engine.llm.chat_prompt(messages)
+        llm_ids = app.state.engine.prompts.chat_prompt(messages)
         assert out.usage.prompt_tokens == len(llm_ids) and out.choices[0].message.role == "assistant"
         stream = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0,
                                            stream=True)

@@ -11,7 +11,7 @@ import torch
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.kv_pool import KVPool
 from radixkv.model.forward import Forward
-from radixkv.scheduling import causal_pairs
+from radixkv.sim.cost import StepRecord  # noqa: F401 - importable here too; it lives with the cost model
 
 
 @dataclass(frozen=True)
@@ -25,30 +25,6 @@ class StepInputs:
     positions: torch.Tensor
     out_slots: torch.Tensor
     qo_indptr: torch.Tensor
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one engine step computed and how long it took: the simulator's calibration data.
-
-    ``attention_pairs`` counts (new token, attended token) pairs of the
-    prefill chunks, ``n * (p + (n + 1) / 2)`` for n new tokens after p.
-    ``seconds`` is the whole step, ``model_seconds`` its model forward.
-    """
-
-    prefill_tokens: int
-    attention_pairs: float
-    decodes: int
-    seconds: float
-    model_seconds: float
-
-    @classmethod
-    def of(cls, batch: AttentionBatch, seconds: float, model_seconds: float, prefill: Sequence[bool]) -> StepRecord:
-        """``prefill[r]``: row r computes prompt tokens (a one-token chunk after a prefix looks like a decode)."""
-        chunks = [(p, n) for p, n, f in zip(batch.prefix_lens, batch.new_lens, prefill, strict=True) if f]
-        return cls(prefill_tokens=sum(n for _, n in chunks),
-                   attention_pairs=float(sum(causal_pairs(n, p) for p, n in chunks)),
-                   decodes=len(batch.new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds)
 
 
 def prepare_step(pool: KVPool, backend: AttentionBackend, new_tokens: Sequence[Sequence[int]],

@@ -42,11 +42,10 @@ class ApiError(Exception):
 
 def build_app(engine: AsyncLLM, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16) -> FastAPI:
-    """The server's app around a (not yet started) ``AsyncLLM``, or a ``ClusterEngine`` (its ``replicas``
-    set: metrics, ``/v1/cache`` and ``/flush_cache`` then report per replica); its loop starts with the app."""
-    metrics = ServerMetrics(model_name, engine.llm.config.prefix_cache, engine.replicas)
-    if engine.replicas is None:
-        engine.on_step = lambda llm, seconds: metrics.after_step(llm)
+    """The server's app around a (not yet started) engine: an ``AsyncLLM``, or a ``ClusterEngine`` with the
+    same interface (its ``replicas`` set: metrics, ``/v1/cache`` and ``/flush_cache`` then report per
+    replica); its loop starts with the app."""
+    metrics = ServerMetrics(model_name, engine.config.prefix_cache, engine.replicas)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -106,48 +105,22 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics, mod
 
     @app.get("/v1/models")
     async def models():
-        cfg = engine.llm.model.config
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "radixkv", "max_model_len": cfg.max_position_embeddings}]}
+                                            "owned_by": "radixkv", "max_model_len": engine.prompts.context}]}
 
     @app.get("/metrics")
     async def prometheus():
-        if engine.replicas is not None:  # a cluster's gauges are read from its replicas when scraped
-            metrics.update_replicas(await engine.snapshots())
+        metrics.update(await engine.gauges())  # read from the engine (each replica) when scraped
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
     async def flush_cache():
-        each = [await engine.call(_flush)] if engine.replicas is None else await engine.call_each(_flush)
-        freed = sum(f or 0 for f in each)
-        body = {"message": f"flushed {freed} cached tokens no running request holds", "freed_tokens": freed}
-        return body if engine.replicas is None else body | {"replicas": each}
+        body = await engine.flush_cache()
+        return {"message": f"flushed {body['freed_tokens']} cached tokens no running request holds", **body}
 
     @app.get("/v1/cache")
     async def cache_state():
-        if engine.replicas is None:
-            return await engine.call(_cache_state)
-        states = await engine.call_each(_cache_state)  # None for a dead replica
-        return {"replicas": [s if s is None else {"replica": i} | s for i, s in enumerate(states)]}
-
-
-def _flush(llm) -> int:
-    slots = llm.cache.evict(llm.cache.evictable_size)
-    llm.allocator.free(slots)
-    return len(slots)
-
-
-def _cache_state(llm) -> dict:
-    try:
-        llm.cache.check_invariants()
-        ok, problem = True, None
-    except AssertionError as e:
-        ok, problem = False, str(e)
-    c = llm.cache
-    return {"prefix_cache": llm.config.prefix_cache, "stats": c.stats(), "total_size": c.total_size,
-            "evictable_size": c.evictable_size, "protected_size": c.protected_size,
-            "free_slots": llm.allocator.num_free, "capacity": llm.allocator.capacity,
-            "invariants_hold": ok, "problem": problem}
+        return await engine.cache_state()
 
 
 class _Serving:
@@ -166,17 +139,14 @@ class _Serving:
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request (send each prompt as its own request)", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            tok = self.engine.llm.tokenizer
-            if tok is None:
-                raise ApiError(400, f"model {self.model_name!r} has no tokenizer: send token ids", param="prompt")
-            return list(tok(prompt, add_special_tokens=False)["input_ids"])
-        return list(prompt)
+        if isinstance(prompt, str) and self.engine.prompts.tokenizer is None:
+            raise ApiError(400, f"model {self.model_name!r} has no tokenizer: send token ids", param="prompt")
+        return self.engine.prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         self._check_model(body.model)
         try:
-            return self.engine.llm.chat_prompt([m.model_dump() for m in body.messages])
+            return self.engine.prompts.chat_prompt([m.model_dump() for m in body.messages])
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 

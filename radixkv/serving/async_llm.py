@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from radixkv.config import SamplingParams
 from radixkv.engine import LLM, EngineStalledError
+from radixkv.serving.metrics import engine_gauges
 
 
 @dataclass
@@ -115,6 +116,29 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Stop a request (applied by the loop before its next step); unknown ids are ignored. Thread-safe."""
         self._post(("abort", request_id))
+
+    @property
+    def config(self):
+        """The engine's ``EngineConfig``."""
+        return self.llm.config
+
+    @property
+    def prompts(self):
+        """The engine's prompt rules (``radixkv.inputs.Prompts``)."""
+        return self.llm.prompts
+
+    async def flush_cache(self) -> dict:
+        """``LLM.flush_cache`` between steps: ``{"freed_tokens": N}``."""
+        return {"freed_tokens": await self.call(lambda llm: llm.flush_cache())}
+
+    async def cache_state(self) -> dict:
+        """``LLM.cache_state`` between steps."""
+        return await self.call(lambda llm: llm.cache_state())
+
+    async def gauges(self) -> list[dict]:
+        """The engine's gauges (``radixkv.serving.metrics.engine_gauges``), read between steps: one per replica
+        as a ``ClusterEngine`` gives them, so the server reads both alike."""
+        return [await self.call(engine_gauges)]
 
     async def call(self, fn):
         """Run ``fn(llm)`` on the engine thread between steps (e.g. flush the cache, read its stats)."""

@@ -85,14 +85,12 @@ class ServerMetrics:
         """Replica ``index``'s series (the one engine's for None)."""
         return self._series[index or 0]
 
-    def after_step(self, llm) -> None:
-        """Gauges and the engine's own counters, read on the engine thread after a step (one engine)."""
-        self._series[0].update(engine_gauges(llm))
-
-    def update_replicas(self, gauges: list[dict | None]) -> None:
-        """Each replica's ``engine_gauges`` (None for a dead one: its gauges go to 0, ``replica_up`` too)."""
+    def update(self, gauges: list[dict | None]) -> None:
+        """Each engine's ``engine_gauges``, one per replica (None for a dead one: its gauges go to 0, and
+        ``replica_up`` with them behind ``--replicas N``)."""
         for series, g in zip(self._series, gauges, strict=True):
-            series.up.set(0 if g is None else 1)
+            if hasattr(series, "up"):
+                series.up.set(0 if g is None else 1)
             if g is not None:
                 series.update(g)
             else:

@@ -4,8 +4,9 @@ Each replica is an async Ray actor running its own ``AsyncLLM`` (its engine loop
 stop strings and aborts, unchanged). The driver routes each request as it arrives with the fleet's router
 and ``LoadTracker`` (``radixkv.cluster.Fleet``), then streams its deltas from the actor through a Ray
 streaming generator, each tagged with its replica; an abort is sent to the replica that holds the request.
-Prompts are tokenized and checked on the driver with the replicas' own ``LLM`` code (``Front``), so bad
-input is a ``ValueError`` before anything is routed.
+Prompts are tokenized and checked on the driver with the replicas' own rules (``radixkv.inputs.Prompts``),
+so bad input is a ``ValueError`` before anything is routed. It has ``AsyncLLM``'s interface, so the server
+serves one engine or N the same way.
 
 A replica that dies is marked dead; a request it held that had sent no token yet is routed again (once),
 one that had is ended with ``finish_reason="error"``. Per-replica gauges are read from the actors when
@@ -20,24 +21,20 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cluster import ACTOR_LOST, EventBuffer, Fleet, build_llm, describe
+from radixkv.cluster.fleet import ACTOR_LOST, Fleet, ReplicaActor, build_llm
 from radixkv.config import SamplingParams
 from radixkv.serving.async_llm import AsyncLLM, Delta
 from radixkv.serving.metrics import engine_gauges
 
 
-class _StreamingReplica:
+class _StreamingReplica(ReplicaActor):
     """One ``AsyncLLM`` in an async Ray actor (its engine built on the engine's own thread)."""
-
-    def __init__(self, threads: int):
-        self.threads, self.engine, self.events = threads, None, EventBuffer()
 
     async def start(self, model: str, settings: dict, events: bool) -> tuple:
         self.engine = AsyncLLM(lambda: build_llm(model, settings, self.threads))
-        if events:
-            self.engine.llm.cache.listener = self.events
+        info = self.attach(self.engine.llm, events)
         await self.engine.start()
-        return describe(self.engine.llm)
+        return info
 
     async def stream(self, ids: list[int], params: SamplingParams, request_id: str,
                      stop: Sequence[str]) -> AsyncIterator[Delta]:
@@ -49,9 +46,6 @@ class _StreamingReplica:
 
     async def call(self, fn):
         return await self.engine.call(fn)
-
-    def drain(self) -> list:
-        return self.events.drain()
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
@@ -72,14 +66,14 @@ class _Request:
 
 
 class ClusterEngine:
-    """The server's engine over ``replicas`` actors; see the module docstring. ``llm`` is the driver's
-    ``Front`` (config, tokenizer, ``chat_prompt``): what the routes read of an engine."""
+    """The server's engine over ``replicas`` actors; see the module docstring. ``config`` and ``prompts`` are
+    the replicas': what the routes read of an engine."""
 
     def __init__(self, model: str, replicas: int, router: str = "round_robin", address: str | None = None,
                  router_params: dict | None = None, num_cpus_per_replica: int = 1, **settings):
         self.fleet = Fleet(_StreamingReplica, model, replicas, router, address, router_params,
                            num_cpus_per_replica, settings)
-        self.llm, self.replicas = self.fleet.front, replicas
+        self.config, self.prompts, self.replicas = self.fleet.config, self.fleet.prompts, replicas
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._routing = asyncio.Lock()
@@ -91,7 +85,7 @@ class ClusterEngine:
                        request_id: str | None = None, stop: Sequence[str] = ()) -> AsyncIterator[Delta]:
         """``AsyncLLM.generate`` on a replica the router picks; each delta's ``replica`` says which."""
         params = params or SamplingParams()
-        req = _Request(request_id or f"req-{next(self._ids)}", self.llm._checked(list(prompt), params), params,
+        req = _Request(request_id or f"req-{next(self._ids)}", self.prompts.check(list(prompt), params), params,
                        tuple(s for s in stop if s))
         try:
             for attempt in range(2):
@@ -150,7 +144,7 @@ class ClusterEngine:
             yield delta
 
     async def _pull_events(self) -> None:
-        for i, events in enumerate(await self._each("drain")):
+        for i, events in enumerate(await self.fleet.each_async("drain")):
             if events is not None:
                 self.fleet.observe(i, events)
 
@@ -168,30 +162,19 @@ class ClusterEngine:
         for name in list(self._requests):
             self.abort(name)
 
-    async def call_each(self, fn) -> list:
-        """``fn(llm)`` on each live replica's engine thread, between its steps: results in replica order,
-        None for a dead replica."""
-        return await self._each("call", fn)
+    async def flush_cache(self) -> dict:
+        """``LLM.flush_cache`` on every live replica: tokens freed in all, and per replica (None: dead)."""
+        each = await self.fleet.each_async("call", _flush)
+        return {"freed_tokens": sum(f or 0 for f in each), "replicas": each}
 
-    async def _each(self, method: str, *args) -> list:
-        """The actors' ``method(*args)`` on every live replica at once: results in replica order, None for a
-        dead one (a replica found dead here is marked so; any other error is raised)."""
-        live = self.fleet.live()
-        got = await asyncio.gather(*(getattr(self.fleet.actors[i], method).remote(*args) for i in live),
-                                   return_exceptions=True)
-        out: list = [None] * self.replicas
-        for i, result in zip(live, got, strict=True):
-            if isinstance(result, ACTOR_LOST):
-                self.fleet.lost(i)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                out[i] = result
-        return out
+    async def cache_state(self) -> dict:
+        """``LLM.cache_state`` of every replica (None for a dead one)."""
+        states = await self.fleet.each_async("call", _cache_state)
+        return {"replicas": [s if s is None else {"replica": i} | s for i, s in enumerate(states)]}
 
-    async def snapshots(self) -> list[dict | None]:
+    async def gauges(self) -> list[dict | None]:
         """Each replica's gauges (``engine_gauges``), None for a dead one."""
-        return await self.call_each(engine_gauges)
+        return await self.fleet.each_async("call", engine_gauges)
 
     async def shutdown(self) -> None:
         """Abort everything, stop each replica's loop, kill the actors (and Ray if this engine started it)."""
@@ -200,3 +183,11 @@ class ClusterEngine:
         await asyncio.gather(*live, return_exceptions=True)
         self.fleet.shutdown()
 
+
+
+def _flush(llm) -> int:
+    return llm.flush_cache()
+
+
+def _cache_state(llm) -> dict:
+    return llm.cache_state()

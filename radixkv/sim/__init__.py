@@ -8,7 +8,11 @@ choosing each request's replica. Torch-free.
 from __future__ import annotations
 
 from radixkv.bounds import upper_bound
-from radixkv.sim.cluster import ClusterResult, simulate_cluster
-from radixkv.sim.engine import CostModel, SimResult, simulate
+from radixkv.sim.cluster import ClusterResult, cluster_references, simulate_cluster
+from radixkv.sim.cost import CostModel, StepRecord
+from radixkv.sim.engine import simulate
+from radixkv.sim.replica import SimResult
+from radixkv.stack import SIMULATOR_DEFAULTS, StackConfig
 
-__all__ = ["ClusterResult", "CostModel", "SimResult", "simulate", "simulate_cluster", "upper_bound"]
+__all__ = ["SIMULATOR_DEFAULTS", "ClusterResult", "CostModel", "SimResult", "StackConfig", "StepRecord",
+           "cluster_references", "simulate", "simulate_cluster", "upper_bound"]

@@ -4,7 +4,8 @@ The replicas share one simulated clock. Requests are sent at their arrival (or a
 ``simulate``); the router sees each replica through a ``LoadTracker`` (requests it sent and that have not
 finished, their tokens: what a router process can count itself) plus each replica's KV use, and, for
 routers fed by cache events, the events each replica's cache emitted, stamped with that replica's clock.
-Each replica then runs exactly as ``simulate`` runs one engine, so with N = 1 the result is ``simulate``'s.
+Each replica runs as ``simulate`` runs one engine: ``simulate`` is this loop with one replica and the trivial
+router ``Single``.
 
 Event loop: the next thing to happen is either the next arrival or the step of the busy replica whose
 clock is earliest; an arrival at the same time as a step goes first (as in ``simulate``). A replica's step
@@ -16,28 +17,30 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from radixkv.bounds import upper_bound
+from radixkv.cache.base import PrefixCache
+from radixkv.cache.belady import FutureUses
+from radixkv.checks import is_int
 from radixkv.routing import Router, fit_router
-from radixkv.routing.base import EventRouter, LoadTracker
-from radixkv.sim.engine import (
-    CostModel,
+from radixkv.routing.base import EventRouter, LoadTracker, ReplicaView
+from radixkv.sim.cost import CostModel
+from radixkv.sim.replica import (
+    Feed,
+    Replica,
+    Running,
     SimResult,
-    _check_idle,
-    _check_settings,
-    _Feed,
-    _numbered,
-    _Replica,
-    _request_list,
-    _Running,
-    _scheduler,
-    simulate,
+    cacheable_prompt,
+    numbered,
+    request_list,
+    whole_kv,
 )
+from radixkv.stack import SIMULATOR_DEFAULTS, Stack, StackConfig, build_stack, cache_name, check_idle, settings_from
 from radixkv.workloads.request import Request
 
 
@@ -118,82 +121,137 @@ class ClusterResult:
         return out
 
 
-def simulate_cluster(
-    requests: Sequence[Request],
-    replicas: int = 2,
-    router: str | Router = "round_robin",
-    capacity_tokens: int | None = None,
-    cache: str = "radix",
-    page_size: int = 1,
-    block_size: int = 16,
-    eviction_policy: str = "lru",
-    schedule_policy: str = "fcfs",
-    max_running: int = 64,
-    cost_model: CostModel | None = None,
-    seed: int = 0,
-    router_params: dict | None = None,
-    references: bool = True,
-    in_batch_sharing: int | None = None,
-    max_batch_tokens: int | None = None,
-    chunked_prefill_size: int | None = None,
-    preemption: bool = False,
-) -> ClusterResult:
-    """Replay ``requests`` over ``replicas`` simulated engines behind ``router``; see the module doc.
+def sim_config(config: StackConfig | None, settings: dict[str, Any]) -> tuple[StackConfig, PrefixCache | None]:
+    """The ``StackConfig`` of a ``simulate`` / ``simulate_cluster`` call and the cache object it was given, if
+    any: ``config`` (or ``SIMULATOR_DEFAULTS``) with the keyword settings on top. ``cache`` is a name or a
+    ready ``PrefixCache``; ``in_batch_sharing=None`` means off (0)."""
+    settings = dict(settings)
+    cache = settings.pop("cache", None)
+    obj = None if cache is None or isinstance(cache, str) else cache
+    if obj is not None:
+        if not isinstance(obj, PrefixCache):
+            raise ValueError(f"cache must be a name or a PrefixCache, got {type(obj).__name__}")
+        settings["prefix_cache"] = cache_name(obj)
+    elif cache is not None:
+        settings["prefix_cache"] = cache
+    if "in_batch_sharing" in settings and settings["in_batch_sharing"] is None:
+        settings["in_batch_sharing"] = 0
+    return settings_from(config or SIMULATOR_DEFAULTS, **settings), obj
 
-    Args:
-        replicas: N >= 1 engines, each with its own cache of ``capacity_tokens`` (None: unlimited).
-        router: a name for ``make_router`` (with ``router_params``) or a ``Router`` object (used as is).
-        cache, page_size, block_size, eviction_policy, schedule_policy, max_running, cost_model, seed and the
-            token budgets: as ``simulate`` takes them, for every replica (``belady`` only in the references).
-        references: also compute ``ClusterResult.references`` (two more simulations of one pooled cache);
-            ``cluster_references`` gives them alone, to compute once for many routers.
-    """
-    requests = _numbered(_request_list(requests))
-    route = fit_router(router, page_size if cache == "radix" else block_size, router_params)
-    limits = {"max_batch_tokens": max_batch_tokens, "chunked_prefill_size": chunked_prefill_size}
-    _check_settings(max_running, limits, preemption, capacity_tokens=capacity_tokens, page_size=page_size,
-                    block_size=block_size, seed=seed, replicas=replicas)
-    if not isinstance(cache, str) or eviction_policy == "belady":
-        raise ValueError("simulate_cluster takes a cache name (each replica builds its own) and an online "
-                         f"eviction policy (belady is a reference, see cluster_references), got {cache!r}, "
-                         f"{eviction_policy!r}")
-    settings = dict(page_size=page_size, block_size=block_size, eviction_policy=eviction_policy,
-                    schedule_policy=schedule_policy, max_running=max_running, seed=seed,
-                    in_batch_sharing=in_batch_sharing, limits=limits, preemption=preemption)
-    built = [_scheduler(requests, cache, capacity_tokens, **settings) for _ in range(replicas)]
-    run = _ClusterRun(requests, [s for s, _ in built], route, cost_model or CostModel())
-    result = run.run()
-    for s, _ in built:
-        _check_idle(s.cache, s.allocator)
-    result.config = {**built[0][1], "replicas": replicas, "router": route.name,
-                     "router_params": _params(route), "cost_model": asdict(cost_model or CostModel()),
-                     "requests": len(requests)}
-    if references:
-        result.references = cluster_references(requests, replicas, capacity_tokens, cache=cache,
-                                               page_size=page_size, block_size=block_size,
-                                               schedule_policy=schedule_policy, max_running=max_running,
-                                               cost_model=cost_model, seed=seed)
+
+def build_replica(requests: Sequence[Request], config: StackConfig, preemption: bool,
+                  cache: PrefixCache | None = None) -> tuple[Stack, dict]:
+    """One simulated engine's cache, allocator and scheduler (``build_stack``) and the config that names it.
+    Unlimited capacity makes room for every token of every request, so nothing is ever evicted."""
+    page = cache.page_size if cache is not None else config.kv_page_size
+    slots = config.capacity_tokens
+    if slots is None:
+        slots = sum(len(r.prompt) + r.output_len for r in requests) + page * (len(requests) + 1)
+    options = {}
+    if cache is None and config.eviction_policy == "belady":  # the clairvoyant reference knows every arrival
+        options["future"] = FutureUses([(cacheable_prompt(r.prompt), r.namespace) for r in requests],
+                                       config.page_size)
+    stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, **options)
+    named = type(cache).__name__ if cache is not None else config.prefix_cache
+    sharing = config.in_batch_sharing if config.prefix_cache != "none" else 0
+    return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
+                   "allocator_page": stack.allocator.page_size, "in_batch_sharing": sharing or None,
+                   "preemption": preemption}
+
+
+def checked_requests(requests: object, preemption: object) -> list[Request]:
+    """The requests as a numbered list (``ValueError`` for anything else) after checking ``preemption``."""
+    if not isinstance(preemption, bool):
+        raise ValueError(f"preemption must be a bool, got {preemption!r}")
+    return numbered(request_list(requests))
+
+
+class Single:
+    """The router of a cluster of one: every request to replica 0 (``simulate`` is that cluster)."""
+
+    name = "single"
+
+    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
+              now: float = 0.0) -> int:
+        return 0
+
+    def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
+        """Nothing to learn."""
+
+
+def run_cluster(requests: list[Request], stacks: list[Stack], router: Router, cost: CostModel) -> ClusterResult:
+    """Replay ``requests`` over one simulated replica per stack behind ``router``, on one clock; every
+    replica ends idle with nothing leaked (``check_idle``)."""
+    result = _ClusterRun(requests, [s.scheduler for s in stacks], router, cost).run()
+    for s in stacks:
+        check_idle(s.cache, s.allocator)
     return result
 
 
-def cluster_references(requests: Sequence[Request], replicas: int, capacity_tokens: int | None, cache: str = "radix",
-                       page_size: int = 1, block_size: int = 16, schedule_policy: str = "fcfs",
-                       max_running: int = 64, cost_model: CostModel | None = None, seed: int = 0,
-                       belady: bool = True) -> dict[str, float]:
-    """Hit rates no routing of N caches of ``capacity_tokens`` can beat: the workload's upper bound, and one
-    pooled cache of N x the capacity with N x the compute (a cost model N times faster, N x ``max_running``),
-    under LRU and (radix only, ``belady=True``) Belady's clairvoyant eviction."""
+def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | None = None, *, replicas: int = 2,
+                     router: str | Router = "round_robin", router_params: dict | None = None,
+                     cost_model: CostModel | None = None, references: bool = True, preemption: bool = False,
+                     **settings: Any) -> ClusterResult:
+    """Replay ``requests`` over ``replicas`` simulated engines behind ``router``; see the module doc.
+
+    Args:
+        config: every replica's cache and scheduling settings (``StackConfig``; ``SIMULATOR_DEFAULTS`` when
+            None); ``settings`` replace fields of it by keyword (``cache``, ``capacity_tokens`` per replica,
+            ``page_size``, ... as ``simulate`` takes them). An int here is ``replicas`` (the old order).
+        router: a name for ``make_router`` (with ``router_params``; a router that counts in blocks takes the
+            replicas' page or block size) or a ``Router`` object (used as is).
+        references: also compute ``ClusterResult.references`` (two more simulations of one pooled cache);
+            ``cluster_references`` gives them alone, to compute once for many routers.
+    """
+    if is_int(config):
+        config, replicas = None, config
+    if not (is_int(replicas) and replicas >= 1):
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    requests = checked_requests(requests, preemption)
+    config, obj = sim_config(config, settings)
+    if obj is not None or config.eviction_policy == "belady":
+        raise ValueError("simulate_cluster takes a cache name (each replica builds its own) and an online eviction "
+                         f"policy (belady is a reference, see cluster_references), got {settings.get('cache')!r}, "
+                         f"{config.eviction_policy!r}")
+    route = fit_router(router, config.kv_page_size, router_params)
+    built = [build_replica(requests, config, preemption) for _ in range(replicas)]
     cost = cost_model or CostModel()
-    pooled = dict(cache=cache, capacity_tokens=None if capacity_tokens is None else capacity_tokens * replicas,
-                  page_size=page_size, block_size=block_size, schedule_policy=schedule_policy,
-                  max_running=max_running * replicas, seed=seed,
-                  cost_model=CostModel(**{k: v / replicas for k, v in asdict(cost).items()}))
-    granularity = page_size if cache == "radix" else block_size
-    out = {"upper_bound": upper_bound(requests, page_size=granularity),
-           "pooled_lru": simulate(requests, eviction_policy="lru", **pooled).hit_rate}
-    if belady and cache == "radix":
-        out["pooled_belady"] = simulate(requests, eviction_policy="belady", **pooled).hit_rate
+    result = run_cluster(requests, [stack for stack, _ in built], route, cost)
+    result.config = {**built[0][1], "replicas": replicas, "router": route.name, "router_params": _params(route),
+                     "cost_model": asdict(cost), "requests": len(requests)}
+    if references:
+        result.references = cluster_references(requests, replicas, config=config, cost_model=cost_model)
+    return result
+
+
+def cluster_references(requests: Sequence[Request], replicas: int, capacity_tokens: int | None = None, *,
+                       config: StackConfig | None = None, cost_model: CostModel | None = None, belady: bool = True,
+                       **settings: Any) -> dict[str, float]:
+    """Hit rates no routing of N caches of ``capacity_tokens`` (or ``config``'s) can beat: the workload's upper
+    bound, and one pooled cache of N x the capacity with N x the compute (a cost model N times faster, N x
+    ``max_running``), under LRU and (radix only, ``belady=True``) Belady's clairvoyant eviction."""
+    if capacity_tokens is not None:
+        settings["capacity_tokens"] = capacity_tokens
+    config, _ = sim_config(config, settings)
+    cost = cost_model or CostModel()
+    pooled = settings_from(config, max_running=config.max_running * replicas, capacity_tokens=None
+                           if config.capacity_tokens is None else config.capacity_tokens * replicas)
+    faster = CostModel(**{k: v / replicas for k, v in asdict(cost).items()})
+    requests = checked_requests(requests, False)
+    out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size),
+           "pooled_lru": simulate_on(requests, settings_from(pooled, eviction_policy="lru"), faster).hit_rate}
+    if belady and config.prefix_cache == "radix":
+        out["pooled_belady"] = simulate_on(requests, settings_from(pooled, eviction_policy="belady"), faster).hit_rate
     return out
+
+
+def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, preemption: bool = False,
+                cache: PrefixCache | None = None) -> SimResult:
+    """``simulate`` on checked requests and a built config: a cluster of one behind ``Single``."""
+    stack, named = build_replica(requests, config, preemption, cache)
+    result = run_cluster(requests, [stack], Single(), cost).replicas[0]
+    result.config = {**named, "cost_model": asdict(cost), "requests": len(requests)}
+    return result
 
 
 def _params(router: Router) -> dict:
@@ -202,22 +260,22 @@ def _params(router: Router) -> dict:
 
 
 class _ClusterRun:
-    """State of one cluster run; ``simulate_cluster`` is its only user."""
+    """State of one cluster run: the feed, the replicas on one clock, the router and its load tracker."""
 
     def __init__(self, requests: list[Request], schedulers: list, router: Router, cost: CostModel):
-        self.feed = _Feed(requests)
+        self.feed = Feed(requests)
         self.router = router
         self.tracker = LoadTracker(len(schedulers))
-        self.replicas = [_Replica(self.feed, s, cost, i, self._finished) for i, s in enumerate(schedulers)]
+        self.replicas = [Replica(self.feed, s, cost, i, self._finished) for i, s in enumerate(schedulers)]
         self.decisions = [-1] * len(requests)
         if isinstance(router, EventRouter):  # only event-fed routers pay for events
             for rep in self.replicas:
                 rep.cache.listener = self._listener(rep)
 
-    def _listener(self, rep: _Replica):
+    def _listener(self, rep: Replica):
         return lambda event: self.router.observe(rep.index, event, rep.now)
 
-    def _finished(self, run: _Running, replica: int, tokens: np.ndarray) -> None:
+    def _finished(self, run: Running, replica: int, tokens: np.ndarray) -> None:
         self.tracker.done(run.rid)
         self.router.finished(replica, tokens, run.namespace)
 
