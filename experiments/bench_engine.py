@@ -52,9 +52,9 @@ from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch
 from radixkv.config import DTYPES
 from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
+from radixkv.forward import build_forward
 from radixkv.kv_pool import KVPool
 from radixkv.model import load_model
-from radixkv.model.forward import build_forward
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.step import run_step
 from radixkv.timing import interleaved, seconds, timed

@@ -20,7 +20,7 @@ def __getattr__(name: str):
     # The engine, model and KV pool need torch; importing them lazily keeps `import radixkv`
     # (caches, simulator) torch-free and fast.
     if name == "KVPool":
-        from radixkv.kv_pool import KVPool
+        from radixkv.memory.kv_pool import KVPool
 
         return KVPool
     if name in ("LLM", "RequestOutput"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+from typing import Any
 
 
 def is_int(x: object) -> bool:
@@ -20,3 +21,13 @@ def is_real(x: object) -> bool:
         return math.isfinite(x)
     except OverflowError:
         return False
+
+
+def checked_number(value: object, name: str, low: float = 0.0, integer: bool = False) -> Any:
+    """``value`` if it is a finite number (an int where ``integer``) at least ``low``; else ``ValueError`` naming
+    ``name``. A bool is not a number here."""
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or not math.isfinite(value) or value < low:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} >= {low}, got {value!r}")
+    return value

@@ -6,14 +6,15 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields
 
+from radixkv.attention.registry import BACKENDS, FLASHINFER_DTYPE_NAMES
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
 from radixkv.stack import StackConfig, kv_page_size
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
-ATTENTION_BACKENDS = ("auto", "torch", "torch-cascade", "cpu", "flashinfer")
+ATTENTION_BACKENDS = BACKENDS  # the registry's names (radixkv.attention.registry, torch-free)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's own (radixkv.model.loader.model_dtype)
-FLASHINFER_DTYPES = ("bfloat16", "float16")  # FlashInfer has no float32 attention kernels
+FLASHINFER_DTYPES = FLASHINFER_DTYPE_NAMES  # FlashInfer has no float32 attention kernels
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ import torch
 
 from radixkv.attention import AttentionBatch
 from radixkv.config import EngineConfig, SamplingParams
+from radixkv.forward import build_forward
 from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
-from radixkv.model.forward import build_forward
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import prepare_step

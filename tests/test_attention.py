@@ -190,7 +190,7 @@ def test_only_auto_and_cpu_load_the_cpu_speed_path(backend, loads_cpu_path):
         from radixkv.attention import AttentionBatch
         from radixkv.kv_pool import KVPool
         from radixkv.model import load_model
-        from radixkv.model.forward import build_forward
+        from radixkv.forward import build_forward
         from radixkv.model.step import run_step
 
         llm = LLM("tiny-random", attention_backend="{backend}", dtype="bfloat16", kv_cache_tokens=256)

@@ -333,8 +333,8 @@ def _served_bf16_model(hf_config: dict | None = None, use_stack: bool = True):
     """A tiny bfloat16 model as the engine serves it on this CPU (``build_forward``: packed linears, the cpu
     backend, the fused forward): (forward, pool, backend)."""
     from radixkv.cpu.fused import FusedLlama, layer_weights
+    from radixkv.forward import build_forward
     from radixkv.model import load_model
-    from radixkv.model.forward import build_forward
     from radixkv.model.loader import _from_hf
 
     if hf_config is None:

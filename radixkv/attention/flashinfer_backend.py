@@ -13,11 +13,53 @@ Metadata is int32 CSR: ``qo_indptr [b+1]``, ``kv_indptr [b+1]`` (pages),
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBatch
-from radixkv.kv_pool import KVPool
+from radixkv.attention.registry import FLASHINFER_DTYPE_NAMES
+from radixkv.memory.kv_pool import KVPool
+
+# What radixkv's FlashInfer path runs: FlashInfer has no float32 attention kernels, and its FA2/FA3
+# prefill and decode kernels all exist only for these head dims (FA3 prefill is the narrowest).
+FLASHINFER_DTYPES = tuple(getattr(torch, name) for name in FLASHINFER_DTYPE_NAMES)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+class FlashInferUnavailableError(RuntimeError, ValueError):
+    """``attention_backend='flashinfer'`` cannot serve this pool here: a ``RuntimeError`` (the machine lacks
+    something) and a ``ValueError`` (the pool's dtype or head dim is one FlashInfer has no kernels for)."""
+
+
+def flashinfer_unsupported_shape(pool: KVPool) -> str | None:
+    """Why FlashInfer's kernels cannot serve this pool's dtype or head dim, or None when they can."""
+    reasons = []
+    if pool.dtype not in FLASHINFER_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in FLASHINFER_DTYPES)
+        reasons.append(f"FlashInfer has no {str(pool.dtype).removeprefix('torch.')} kernels "
+                       f"(supported dtypes: {names})")
+    if pool.head_dim not in FLASHINFER_HEAD_DIMS:
+        reasons.append(f"FlashInfer has no kernels for head dim {pool.head_dim} "
+                       f"(supported head dims: {', '.join(map(str, FLASHINFER_HEAD_DIMS))})")
+    return "; ".join(reasons) or None
+
+
+def flashinfer_unavailable_reason(pool: KVPool) -> str | None:
+    """Why FlashInfer cannot run this pool here, or None when it can: every obstacle found, joined by
+    '; ': no CUDA, a pool off the GPU, no flashinfer package, an unsupported dtype or head dim."""
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("CUDA is not available (FlashInfer runs on NVIDIA GPUs only)")
+    elif pool.device.type != "cuda":
+        reasons.append(f"the KV pool lives on {pool.device}, not on a CUDA device")
+    if importlib.util.find_spec("flashinfer") is None:
+        reasons.append("the flashinfer package is not installed (pip install -e '.[gpu]')")
+    if shape := flashinfer_unsupported_shape(pool):
+        reasons.append(shape)
+    return "; ".join(reasons) or None
+
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # DISPATCH_GQA_GROUP_SIZE in flashinfer 0.7.4's utils.cuh
@@ -51,8 +93,6 @@ class FlashInferBackend:
 
     def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
         import flashinfer  # lazy: only GPU users have it
-
-        from radixkv.attention import FlashInferUnavailableError, flashinfer_unsupported_shape
 
         if pool.device.type != "cuda":
             raise FlashInferUnavailableError("FlashInferBackend needs the KV pool on a CUDA device")

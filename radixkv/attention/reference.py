@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.split import SplitBackend, group_of, scale_for
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 class ReferencePrefill:

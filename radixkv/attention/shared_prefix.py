@@ -24,7 +24,7 @@ import torch
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.reference import PaddedDecode, ReferencePrefill
 from radixkv.attention.split import SplitBackend, group_of, scale_for
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 def shared_slot_prefix(slots: list[np.ndarray]) -> int:

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from radixkv.attention.base import AttentionBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 class StepPart(Protocol):

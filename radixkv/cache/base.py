@@ -9,15 +9,15 @@ experiment swaps caches by changing one constructor argument.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from radixkv.cache.events import CacheListener
+from radixkv.tokens import TokenSeq, as_token_array  # noqa: F401 - part of the cache interface
 
 # Anything that holds integer token ids: list, tuple, numpy array, torch tensor.
-TokenSeq = Sequence[int] | np.ndarray | Any
 
 
 class MatchResult(NamedTuple):
@@ -97,28 +97,6 @@ class LockError(RuntimeError, ValueError):
     lock of its own), or locking a handle whose node is no longer in the cache. It is a ``RuntimeError`` (a
     misuse of the protocol at run time) and a ``ValueError`` (a bad argument),
     so callers catching either see it."""
-
-
-def as_token_array(tokens: TokenSeq) -> np.ndarray:
-    """Token ids (or slot indices) as a 1-D int64 numpy array.
-
-    Never modifies the caller's object; may return it unchanged when it already
-    is a contiguous 1-D int64 numpy array (callers copy what they keep).
-    O(n), and O(n) Python work only for lists and tuples.
-    """
-    if isinstance(tokens, np.ndarray):
-        arr = tokens
-    elif hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor, without importing torch
-        arr = tokens.detach().cpu().numpy()
-    else:
-        arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"expected a 1-D sequence of integer ids, got shape {arr.shape}")
-    if arr.dtype != np.int64:
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"expected integer ids, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64)
-    return np.ascontiguousarray(arr)
 
 
 def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:

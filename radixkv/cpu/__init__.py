@@ -13,7 +13,9 @@
 * ``hugepages``: the KV pool and the weight tiles in 2 MiB pages.
 
 None of it changes what the model computes beyond summation order.
-``radixkv.model.forward.build_forward`` calls ``accelerate`` only on a CPU,
+Importing this package registers the ``cpu`` attention backend (``radixkv.attention.registry``), which
+``make_backend`` then builds by name or picks for ``auto``.
+``radixkv.forward.build_forward`` imports it and calls ``accelerate`` only on a CPU,
 for a 16-bit model with ``attention_backend="auto"`` or any model with
 ``"cpu"`` (float32 with ``auto`` stays on the plain path, the oracle); every
 other configuration imports nothing from this package.
@@ -21,13 +23,17 @@ other configuration imports nothing from this package.
 
 from __future__ import annotations
 
-from radixkv.attention import AttentionBackend, make_backend
+from radixkv.attention.backends import make_backend
+from radixkv.attention.base import AttentionBackend
+from radixkv.attention.registry import register
 from radixkv.cpu import hugepages
 from radixkv.cpu.fused import FusedLlama
 from radixkv.cpu.linear import pack_linears
-from radixkv.cpu.paged_attention import CpuPagedBackend
-from radixkv.kv_pool import KVPool
+from radixkv.cpu.paged_attention import CpuPagedBackend, cpu_backend_unavailable_reason
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
+
+register("cpu", cpu_backend_unavailable_reason, CpuPagedBackend)
 
 
 def accelerate(model: LlamaForCausalLM, pool: KVPool,

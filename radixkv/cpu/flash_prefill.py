@@ -20,7 +20,7 @@ import torch
 
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.split import group_of, scale_for
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

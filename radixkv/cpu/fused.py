@@ -22,7 +22,7 @@ from torch import nn
 
 from radixkv.cpu.linear import PackedLinear
 from radixkv.cpu.paged_attention import CpuPagedBackend
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model.llama import DecoderLayer, LlamaForCausalLM, logit_rows
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixkv.cpu import hugepages
+import radixkv.cpu.hugepages as hugepages
 from radixkv.cpu.coded import CodedTiles, q4_rows
 from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.timing import interleaved

@@ -39,8 +39,8 @@ from radixkv.attention.base import AttentionBatch
 from radixkv.attention.reference import ReferencePrefill
 from radixkv.attention.split import SplitBackend, StepPart, scale_for
 from radixkv.cpu.flash_prefill import FlashPrefill, amx_prefill
-from radixkv.cpu.kernels import load_cpu_kernels
-from radixkv.kv_pool import KVPool
+from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
+from radixkv.memory.kv_pool import KVPool
 
 
 def csr(slot_lists: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +119,15 @@ class CpuPagedBackend(SplitBackend):
         for kernels that run the step's attention themselves (``radixkv.cpu.fused``'s ``DecodeStack``); else
         None."""
         return self.paged_decode.csr if self.whole_step is self.paged_decode else None
+
+
+def cpu_backend_unavailable_reason(pool: KVPool) -> str | None:
+    """Why ``auto`` does not pick the ``cpu`` backend (the compiled kernels) for this pool, or None when it does.
+
+    Only 16-bit pools qualify: float32 is the oracle dtype, kept on the reference path.
+    """
+    if pool.device.type != "cpu":
+        return f"the KV pool lives on {pool.device}, not on the CPU"
+    if pool.dtype == torch.float32:
+        return "float32 pools stay on the reference path (the oracle)"
+    return cpu_kernels_unavailable_reason()

@@ -1,13 +1,5 @@
-"""What the engine serves a model with: the forward to call and the attention backend, in one call.
-
-``build_forward`` keeps the CPU speed path (``radixkv.cpu``) behind one
-door: a 16-bit model on a CPU with ``attention_backend`` ``auto``, or any
-model on a CPU with ``cpu`` (which asks for it by name), goes through
-``radixkv.cpu.accelerate`` (packed 16-bit linear layers, huge pages,
-compiled attention and fused layer steps); everything else (float32 with
-``auto``, the oracle; the ``torch`` backends; a GPU) is the plain model with
-``make_backend``'s backend, and imports nothing of ``radixkv.cpu``.
-"""
+"""``Forward``: what a model's step forward takes and gives (the model itself, or ``radixkv.cpu``'s fused
+forward over it). ``radixkv.forward.build_forward`` picks which one the engine calls."""
 
 from __future__ import annotations
 
@@ -15,9 +7,8 @@ from typing import Protocol
 
 import torch
 
-from radixkv.attention import AttentionBackend, make_backend
-from radixkv.kv_pool import KVPool
-from radixkv.model.llama import LlamaForCausalLM
+from radixkv.attention.base import AttentionBackend
+from radixkv.memory.kv_pool import KVPool
 
 
 class Forward(Protocol):
@@ -26,27 +17,3 @@ class Forward(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, pool: KVPool,
                  backend: AttentionBackend, logits_rows: torch.Tensor | None = None,
                  qo_indptr: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-def takes_cpu_path(pool: KVPool, attention_backend: str) -> bool:
-    """Whether ``build_forward`` serves this pool through ``radixkv.cpu``: a pool on the CPU with
-    ``attention_backend="cpu"``, or a 16-bit one with ``auto`` (float32 stays on the plain path, the oracle)."""
-    if pool.device.type != "cpu":
-        return False
-    return attention_backend == "cpu" or (attention_backend == "auto" and pool.dtype != torch.float32)
-
-
-def build_forward(model: LlamaForCausalLM, pool: KVPool,
-                  attention_backend: str = "auto") -> tuple[Forward, AttentionBackend]:
-    """The forward to call for each step of ``model`` over ``pool``, and the attention backend to ``plan``.
-
-    Call it once, after building the pool and before serving: on the CPU
-    path it packs the model's linear layers in place and moves the pool's
-    buffer (``radixkv.cpu.accelerate``). Raises as ``make_backend`` does
-    for an unknown or unavailable backend.
-    """
-    if takes_cpu_path(pool, attention_backend):
-        from radixkv.cpu import accelerate  # lazy: only this path loads the CPU speed-ups
-
-        return accelerate(model, pool, attention_backend)
-    return model, make_backend(attention_backend, pool, model.config.num_heads)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

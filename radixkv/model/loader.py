@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from radixkv.config import DTYPES as SETTING_DTYPES
 from radixkv.model.llama import LlamaConfig, LlamaForCausalLM
 
 BUILTIN = ("tiny-random", "smollm2-135m", "smollm2-135m-random")
@@ -59,7 +60,7 @@ RANDOM_CONFIGS = {"tiny-random": TINY_CONFIG, "smollm2-135m-random": SMOLLM2_CON
 # What the built-in random models state as their own dtype: tiny-random is the tests' exact float32 oracle,
 # smollm2-135m-random has SmolLM2-135M's (bfloat16, as its Hugging Face config says).
 RANDOM_DTYPES = {"tiny-random": "float32", "smollm2-135m-random": "bfloat16"}
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(d for d in SETTING_DTYPES if d != "auto")  # the concrete ones of the dtype setting
 # GGUF's ggml tensor types that are plain floats; every other type (Q4_1, Q8_0, K-quants, ...) is quantized.
 _GGUF_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 

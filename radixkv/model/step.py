@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBackend, AttentionBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model.forward import Forward
 from radixkv.sim.cost import StepRecord  # noqa: F401 - importable here too; it lives with the cost model
 

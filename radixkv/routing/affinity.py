@@ -26,8 +26,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from radixkv.checks import checked_number
 from radixkv.routing.base import ReplicaView, alive
-from radixkv.routing.cache_routers import _number
 from radixkv.routing.trees import ReplicaTrees
 
 
@@ -37,9 +37,9 @@ class Affinity:
     name = "affinity"
 
     def __init__(self, capacity_tokens: int | None = None, slack: float = 0.05):
-        self.capacity_tokens = None if capacity_tokens is None else _number(capacity_tokens, "capacity_tokens", 1,
-                                                                            integer=True)
-        self.slack = _number(slack, "slack")
+        self.capacity_tokens = None if capacity_tokens is None else checked_number(
+            capacity_tokens, "capacity_tokens", 1, integer=True)
+        self.slack = checked_number(slack, "slack")
         self.counts: Counter = Counter()
         self._trees = ReplicaTrees(0, self.capacity_tokens)
         self._work: list[float] = []

@@ -7,24 +7,16 @@ measures load with something a router here cannot see, the docstring says what s
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
+from radixkv.checks import checked_number
 from radixkv.routing.base import ReplicaView, alive
 from radixkv.routing.kv_index import KVEventIndex
 from radixkv.routing.trees import ReplicaTrees
-
-
-def _number(value: object, name: str, low: float = 0.0, integer: bool = False) -> Any:
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or not math.isfinite(value) or value < low:
-        kind = "an int" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} >= {low}, got {value!r}")
-    return value
 
 
 class CacheAware:
@@ -44,11 +36,11 @@ class CacheAware:
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120.0,
                  max_tree_size: int = 2 ** 26):
-        self.cache_threshold = _number(cache_threshold, "cache_threshold")
-        self.balance_abs_threshold = _number(balance_abs_threshold, "balance_abs_threshold", integer=True)
-        self.balance_rel_threshold = _number(balance_rel_threshold, "balance_rel_threshold", 1.0)
-        self.eviction_interval_secs = _number(eviction_interval_secs, "eviction_interval_secs")
-        self.max_tree_size = _number(max_tree_size, "max_tree_size", 1, integer=True)
+        self.cache_threshold = checked_number(cache_threshold, "cache_threshold")
+        self.balance_abs_threshold = checked_number(balance_abs_threshold, "balance_abs_threshold", integer=True)
+        self.balance_rel_threshold = checked_number(balance_rel_threshold, "balance_rel_threshold", 1.0)
+        self.eviction_interval_secs = checked_number(eviction_interval_secs, "eviction_interval_secs")
+        self.max_tree_size = checked_number(max_tree_size, "max_tree_size", 1, integer=True)
         self.counts: Counter = Counter()
         self._trees = ReplicaTrees(0)
         self._last_trim = 0.0
@@ -98,11 +90,11 @@ class KVEvents:
 
     def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
                  event_delay: float = 0.0, seed: int = 0):
-        self.block_size = _number(block_size, "block_size", 1, integer=True)
-        self.overlap_score_weight = _number(overlap_score_weight, "overlap_score_weight")
-        self.temperature = _number(temperature, "temperature")
-        self.event_delay = _number(event_delay, "event_delay")
-        self.seed = _number(seed, "seed", integer=True)
+        self.block_size = checked_number(block_size, "block_size", 1, integer=True)
+        self.overlap_score_weight = checked_number(overlap_score_weight, "overlap_score_weight")
+        self.temperature = checked_number(temperature, "temperature")
+        self.event_delay = checked_number(event_delay, "event_delay")
+        self.seed = checked_number(seed, "seed", integer=True)
         self.index = KVEventIndex(block_size)
         self.counts: Counter = Counter()
         self._rng = np.random.default_rng(seed)
@@ -150,7 +142,7 @@ class Preble:
     name = "preble"
 
     def __init__(self, window_secs: float = 180.0):
-        self.window_secs = _number(window_secs, "window_secs")
+        self.window_secs = checked_number(window_secs, "window_secs")
         self.counts: Counter = Counter()
         self._trees = ReplicaTrees(0)
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, replica, tokens of work)

@@ -153,9 +153,9 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
                                        config.page_size)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, **options)
     named = type(cache).__name__ if cache is not None else config.prefix_cache
-    sharing = config.in_batch_sharing if config.prefix_cache != "none" else 0
+    sharing = getattr(stack.scheduler.policy, "threshold", None)  # what the builder applied (none: no sharing)
     return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
-                   "allocator_page": stack.allocator.page_size, "in_batch_sharing": sharing or None,
+                   "allocator_page": stack.allocator.page_size, "in_batch_sharing": sharing,
                    "preemption": preemption}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixkv.cache.base import TokenSeq, as_token_array
+from radixkv.tokens import TokenSeq, as_token_array
 
 
 def _count_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

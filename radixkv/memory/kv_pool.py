@@ -1,0 +1,107 @@
+"""Per-layer K and V storage addressed by slot index: the memory the prefix caches point into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+
+class KVPool:
+    """K and V tensors of every layer, one row per KV slot.
+
+    ``k[layer]`` and ``v[layer]`` are ``[num_slots, num_kv_heads, head_dim]``
+    (token-major, FlashInfer's NHD layout), viewable page by page as
+    ``[num_pages, page_size, num_kv_heads, head_dim]`` (``pages``). Slot
+    indices come from a ``SlotAllocator`` of the same page size; they are what
+    the prefix caches hold.
+
+    Size it from a slot count or from a byte budget (``max_bytes``: the
+    largest whole number of pages whose K and V for every layer fit). All
+    layers' K and V are views of one buffer, which ``reallocate`` can move
+    (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int | None = None,
+        *,
+        max_bytes: int | None = None,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        if (num_slots is None) == (max_bytes is None):
+            raise ValueError("give exactly one of num_slots and max_bytes")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"KVPool dtype must be float32, bfloat16 or float16, got {dtype}")
+        if min(num_layers, num_kv_heads, head_dim, page_size) < 1:
+            raise ValueError("num_layers, num_kv_heads, head_dim and page_size must be >= 1")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        if num_slots is None:
+            num_slots = int(max_bytes) // self.slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
+        self.num_pages = int(num_slots) // page_size
+        if self.num_pages < 1:
+            raise ValueError(f"the pool must hold at least one page of {page_size} slots")
+        # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
+        self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device))
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        """The shape of the one buffer that holds every layer's K and V: ``[layers, 2, slots, kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def reallocate(self, zeros: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        """Move K and V into a buffer from ``zeros(buffer_shape, dtype)`` (on the pool's device), keeping what is
+        stored. Views of the old buffer taken earlier (``k[layer]``) no longer see the pool: call it before serving."""
+        kv = zeros(self.buffer_shape, self.dtype)
+        if tuple(kv.shape) != self.buffer_shape or kv.dtype != self.dtype or kv.device.type != self.device.type:
+            raise ValueError(f"reallocate: got a {tuple(kv.shape)} {kv.dtype} buffer on {kv.device}, not "
+                             f"{self.buffer_shape} {self.dtype} on {self.device}")
+        kv.copy_(self._kv)
+        self._use(kv)
+
+    def _use(self, kv: torch.Tensor) -> None:
+        self._kv = kv
+        self.k = [kv[i, 0] for i in range(self.num_layers)]
+        self.v = [kv[i, 1] for i in range(self.num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one token's K and V take over all layers."""
+        return self.slot_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @staticmethod
+    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over all layers, without building a pool."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | np.ndarray) -> None:
+        """Write new tokens' K and V into their slots.
+
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``; slots: ``[num_tokens]`` int64.
+        """
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        if k.shape != v.shape or k.shape[0] != idx.shape[0] or k.shape[1:] != self.k[layer].shape[1:]:
+            raise ValueError(f"store: k {tuple(k.shape)}, v {tuple(v.shape)} and {idx.shape[0]} slots do not match "
+                             f"the pool's [*, {self.num_kv_heads}, {self.head_dim}]")
+        self.k[layer].index_copy_(0, idx, k.to(self.dtype))
+        self.v[layer].index_copy_(0, idx, v.to(self.dtype))
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[num_pages, page_size, num_kv_heads, head_dim]`` views (NHD)."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def __repr__(self) -> str:
+        return (f"KVPool(layers={self.num_layers}, slots={self.num_slots}, page_size={self.page_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")
