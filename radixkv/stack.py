@@ -59,7 +59,7 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         for message in self.problems():
-            raise ValueError(f"invalid settings: {message} (got {self.describe()})")
+            raise ValueError(f"invalid settings: {message} (got {asdict(self)})")
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, types first (the range checks compare numbers)."""
@@ -82,9 +82,6 @@ class StackConfig:
             (self.in_batch_sharing >= 0, "in_batch_sharing must be >= 0 (0 disables it)"),
         ]
         return [message for ok, message in checks if not ok]
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
 
     @property
     def kv_page_size(self) -> int:
@@ -146,15 +143,6 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     scheduler = Scheduler(prefix_cache, allocator, policy, max_running=config.max_running, max_batch_tokens=budget,
                           chunked_prefill_size=chunk, whole_kv=whole_kv)
     return Stack(prefix_cache, allocator, scheduler)
-
-
-def cache_name(cache: PrefixCache) -> str:
-    """The ``make_cache`` name of a cache object's kind (a Belady tree is a radix tree)."""
-    kinds = {"RadixCache": "radix", "HashBlockCache": "hash", "HashV0Cache": "hash-v0", "NoPrefixCache": "none"}
-    for cls in type(cache).__mro__:
-        if cls.__name__ in kinds:
-            return kinds[cls.__name__]
-    raise ValueError(f"{type(cache).__name__} is not a cache make_cache builds (one of {CACHES})")
 
 
 def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:

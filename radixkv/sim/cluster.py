@@ -4,8 +4,7 @@ The replicas share one simulated clock. Requests are sent at their arrival (or a
 ``simulate``); the router sees each replica through a ``LoadTracker`` (requests it sent and that have not
 finished, their tokens: what a router process can count itself) plus each replica's KV use, and, for
 routers fed by cache events, the events each replica's cache emitted, stamped with that replica's clock.
-Each replica runs as ``simulate`` runs one engine: ``simulate`` is this loop with one replica and the trivial
-router ``Single``.
+Each replica runs as ``simulate`` runs one engine: ``simulate`` is this loop with one replica.
 
 Event loop: the next thing to happen is either the next arrival or the step of the busy replica whose
 clock is earliest; an arrival at the same time as a step goes first (as in ``simulate``). A replica's step
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,8 +26,8 @@ from radixkv.bounds import upper_bound
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.belady import FutureUses
 from radixkv.checks import is_int
-from radixkv.routing import Router, fit_router
-from radixkv.routing.base import EventRouter, LoadTracker, ReplicaView
+from radixkv.routing import RoundRobin, Router, fit_router
+from radixkv.routing.base import EventRouter, LoadTracker
 from radixkv.sim.cost import CostModel
 from radixkv.sim.replica import (
     Feed,
@@ -40,7 +39,7 @@ from radixkv.sim.replica import (
     request_list,
     whole_kv,
 )
-from radixkv.stack import SIMULATOR_DEFAULTS, Stack, StackConfig, build_stack, cache_name, check_idle, settings_from
+from radixkv.stack import SIMULATOR_DEFAULTS, Stack, StackConfig, build_stack, check_idle, settings_from
 from radixkv.workloads.request import Request
 
 
@@ -127,12 +126,10 @@ def sim_config(config: StackConfig | None, settings: dict[str, Any]) -> tuple[St
     ready ``PrefixCache``; ``in_batch_sharing=None`` means off (0)."""
     settings = dict(settings)
     cache = settings.pop("cache", None)
-    obj = None if cache is None or isinstance(cache, str) else cache
-    if obj is not None:
-        if not isinstance(obj, PrefixCache):
-            raise ValueError(f"cache must be a name or a PrefixCache, got {type(obj).__name__}")
-        settings["prefix_cache"] = cache_name(obj)
-    elif cache is not None:
+    obj = None if cache is None or isinstance(cache, str) else cache  # an object's page is its own (build_replica)
+    if obj is not None and not isinstance(obj, PrefixCache):
+        raise ValueError(f"cache must be a name or a PrefixCache, got {type(obj).__name__}")
+    if isinstance(cache, str):
         settings["prefix_cache"] = cache
     if "in_batch_sharing" in settings and settings["in_batch_sharing"] is None:
         settings["in_batch_sharing"] = 0
@@ -164,19 +161,6 @@ def checked_requests(requests: object, preemption: object) -> list[Request]:
     if not isinstance(preemption, bool):
         raise ValueError(f"preemption must be a bool, got {preemption!r}")
     return numbered(request_list(requests))
-
-
-class Single:
-    """The router of a cluster of one: every request to replica 0 (``simulate`` is that cluster)."""
-
-    name = "single"
-
-    def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
-              now: float = 0.0) -> int:
-        return 0
-
-    def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        """Nothing to learn."""
 
 
 def run_cluster(requests: list[Request], stacks: list[Stack], router: Router, cost: CostModel) -> ClusterResult:
@@ -247,9 +231,10 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
 
 def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, preemption: bool = False,
                 cache: PrefixCache | None = None) -> SimResult:
-    """``simulate`` on checked requests and a built config: a cluster of one behind ``Single``."""
+    """``simulate`` on checked requests and a built config: a cluster of one replica (behind round robin, which
+    has only replica 0 to choose)."""
     stack, named = build_replica(requests, config, preemption, cache)
-    result = run_cluster(requests, [stack], Single(), cost).replicas[0]
+    result = run_cluster(requests, [stack], RoundRobin(), cost)  # one replica: it always answers 0.replicas[0]
     result.config = {**named, "cost_model": asdict(cost), "requests": len(requests)}
     return result
 

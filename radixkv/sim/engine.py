@@ -20,8 +20,8 @@ engine, and hits can differ (``preemption=True`` allocates as the engine
 does). A request is sent at its arrival, or ``think_time`` after its
 ``parent`` and every request of its ``after`` have finished.
 
-``simulate`` is the cluster loop of ``radixkv.sim.cluster`` with one replica and the trivial router
-``Single``: the same code, so N = 1 there is this, request for request and step for step. Its settings are
+``simulate`` is the cluster loop of ``radixkv.sim.cluster`` with one replica: the same code, so N = 1
+there is this, request for request and step for step. Its settings are
 one ``StackConfig`` (``radixkv.stack``; ``SIMULATOR_DEFAULTS`` unless ``config`` is given) with keyword
 settings on top: ``simulate(reqs, cache="radix", page_size=512, capacity_tokens=N, eviction_policy="lru")``
 is ``simulate(reqs, config=replace(SIMULATOR_DEFAULTS, prefix_cache="radix", page_size=512, ...))``.
