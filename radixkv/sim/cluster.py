@@ -234,7 +234,7 @@ def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, p
     """``simulate`` on checked requests and a built config: a cluster of one replica (behind round robin, which
     has only replica 0 to choose)."""
     stack, named = build_replica(requests, config, preemption, cache)
-    result = run_cluster(requests, [stack], RoundRobin(), cost)  # one replica: it always answers 0.replicas[0]
+    result = run_cluster(requests, [stack], RoundRobin(), cost).replicas[0]  # one replica: always 0
     result.config = {**named, "cost_model": asdict(cost), "requests": len(requests)}
     return result
 
