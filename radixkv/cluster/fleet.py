@@ -20,11 +20,8 @@ from radixkv.heap import freeze_startup_heap
 from radixkv.inputs import Prompts
 from radixkv.routing import make_router
 from radixkv.routing.base import EventRouter, LoadTracker
-from radixkv.stack import kv_page_size
 
 ACTOR_LOST = (ray.exceptions.RayActorError,)  # ActorDiedError and ActorUnavailableError are both
-PAGE_DEFAULTS = {"prefix_cache": EngineConfig.prefix_cache, "page_size": EngineConfig.page_size,
-                 "block_size": EngineConfig.block_size}
 
 
 def build_llm(model: str, settings: dict, threads: int) -> LLM:
@@ -92,7 +89,7 @@ class Fleet:
         if not (isinstance(num_cpus_per_replica, int) and num_cpus_per_replica >= 1):
             raise ValueError(f"num_cpus_per_replica must be an int >= 1, got {num_cpus_per_replica!r}")
         geometry = {k: settings[k] for k in ("prefix_cache", "page_size", "block_size") if k in settings}
-        self.router = make_router(router, cache_block_size=kv_page_size(**{**PAGE_DEFAULTS, **geometry}),
+        self.router = make_router(router, cache_block_size=EngineConfig(**geometry).kv_page_size,
                                   **(router_params or {}))
         self.wants_events = isinstance(self.router, EventRouter)
         self.tracker = LoadTracker(replicas)

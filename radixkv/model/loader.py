@@ -173,9 +173,17 @@ def model_dtype(name: str) -> str:
 
 
 def _gguf_dtype(path: Path) -> str:
+    stat = path.stat()
+    return _gguf_tensor_dtype(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_tensor_dtype(path: str, size: int, mtime_ns: int) -> str:
+    """``_gguf_dtype`` of one file version (size and mtime key it): reading the tensor table takes about
+    2 s for SmolLM2, and an experiment builds one engine per cache."""
     from gguf import GGUFReader
 
-    kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) >= 2}
+    kinds = {t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) >= 2}
     if len(kinds) == 1 and next(iter(kinds)) in _GGUF_FLOATS:
         return _GGUF_FLOATS[next(iter(kinds))]
     return "bfloat16"

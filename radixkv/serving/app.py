@@ -139,9 +139,12 @@ class _Serving:
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request (send each prompt as its own request)", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str) and self.engine.prompts.tokenizer is None:
-            raise ApiError(400, f"model {self.model_name!r} has no tokenizer: send token ids", param="prompt")
-        return self.engine.prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)  # token ids are checked with the request (Prompts.check)
+        try:
+            return self.engine.prompts.encode(prompt)
+        except ValueError as e:  # no tokenizer
+            raise ApiError(400, str(e), param="prompt") from None
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         self._check_model(body.model)

@@ -61,8 +61,7 @@ class _Stream:
 
 
 class AsyncLLM:
-    """An ``LLM`` served from asyncio; see the module docstring. ``on_step(llm, seconds)`` is called on the
-    engine thread after each step (the server's gauges).
+    """An ``LLM`` served from asyncio; see the module docstring.
 
     ``llm`` is an ``LLM`` or a function that builds one: then it is built on the engine thread, which is
     faster on a CPU. Every torch call then runs on one thread, with one OpenMP team; an engine built on
@@ -72,10 +71,9 @@ class AsyncLLM:
 
     replicas = None  # one engine (a ``ClusterEngine`` has N replicas)
 
-    def __init__(self, llm: LLM | Callable[[], LLM], on_step=None):
+    def __init__(self, llm: LLM | Callable[[], LLM]):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixkv-engine")
         self.llm = llm if isinstance(llm, LLM) else self._executor.submit(llm).result()
-        self.on_step = on_step
         self._lock = threading.Lock()
         self._inbox: list[tuple] = []  # ("add", stream, ids, params, fut) | ("abort", name) | ("call", fn, fut)
         self._streams: dict[int, _Stream] = {}  # engine id -> stream
@@ -190,7 +188,6 @@ class AsyncLLM:
             self._apply(item)
         if not self.llm.has_unfinished() or self._closed:
             return
-        t0 = time.perf_counter()
         try:
             finished = self.llm.step()
         except EngineStalledError as e:  # nothing can ever run: fail what waits instead of spinning
@@ -206,8 +203,6 @@ class AsyncLLM:
             stream = self._streams.pop(out.request_id, None)
             if stream is not None:
                 self._finish(stream, out)
-        if self.on_step is not None:
-            self.on_step(self.llm, time.perf_counter() - t0)
 
     def _apply(self, item: tuple) -> None:
         kind = item[0]
