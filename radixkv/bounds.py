@@ -30,16 +30,13 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
         slot += len(seq)
     reach_cap: dict[int, int] = {}  # node -> requests reaching it within their cacheable prefix
     reach_all: dict[int, int] = {}  # node -> requests whose whole-page prompt reaches it
-    generated: set[int] = set()
+    generated: dict[int, int] = {}  # node -> requests that generated it (past their prompt)
     nodes: dict[int, Any] = {}
 
-    def climb(node, counts: dict[int, int] | set, stop=None) -> None:
+    def climb(node, counts: dict[int, int], stop=None) -> None:
         while node.parent is not None and node is not stop:
             nodes[id(node)] = node
-            if isinstance(counts, set):
-                counts.add(id(node))
-            else:
-                counts[id(node)] = counts.get(id(node), 0) + 1
+            counts[id(node)] = counts.get(id(node), 0) + 1
             node = node.parent
 
     def ends(r: Request):

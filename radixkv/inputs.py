@@ -82,9 +82,8 @@ class Prompts:
         separately (the same ids as one pass for ordinary text: the template puts a newline or a control
         token at each boundary)."""
         marks = [f"\x00radixkv-content-{i}\x00" for i in range(len(conv))]
-        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": mark} for m, mark in
-                                                   zip(conv, marks, strict=True)], add_generation_prompt=True,
-                                                  tokenize=False)
+        placeholders = [{"role": m["role"], "content": mark} for m, mark in zip(conv, marks, strict=True)]
+        text = self.tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
         ids: list[int] = []
         for msg, mark in zip(conv, marks, strict=True):
             before, found, text = text.partition(mark)

@@ -155,16 +155,16 @@ def legend_handles(statuses: Iterable[str] = ("new", "hit", "evicted", "cached")
 
 def _drawn_items(tree: dict[str, Any], new: set[Path], hit: set[Path], evicted: set[Path]) -> dict[Path, dict]:
     """The drawn tree by path: every node of the snapshot, then the ghosts, each under its deepest drawn prefix."""
-    root: dict[str, Any] = {"path": (), "kids": [], "node": None}
-    drawn = {(): root}
+    drawn: dict[Path, dict] = {(): {"path": (), "kids": [], "node": None}}
+
+    def add(path: Path, parent: Path, node: dict[str, Any] | None, status: str) -> None:
+        drawn[path] = {"path": path, "kids": [], "node": node, "edge": path[len(parent):], "status": status}
+        drawn[parent]["kids"].append(drawn[path])
+
     for path, parent, node in iter_nodes(tree):
-        drawn[path] = {"path": path, "kids": [], "node": node, "edge": path[len(parent):],
-                       "status": "new" if path in new else "hit" if path in hit else "cached"}
-        drawn[parent]["kids"].append(drawn[path])
+        add(path, parent, node, "new" if path in new else "hit" if path in hit else "cached")
     for path in sorted(evicted - drawn.keys(), key=len):
-        parent = max((p for p in drawn if len(p) < len(path) and path[: len(p)] == p), key=len)
-        drawn[path] = {"path": path, "kids": [], "node": None, "edge": path[len(parent):], "status": "evicted"}
-        drawn[parent]["kids"].append(drawn[path])
+        add(path, max((p for p in drawn if len(p) < len(path) and path[: len(p)] == p), key=len), None, "evicted")
     return drawn
 
 
@@ -191,12 +191,11 @@ def _place(root: dict[str, Any]) -> int:
 
 def _stats_line(item: dict[str, Any]) -> str:
     """A box's second line: the edge's length, its ``lock_count`` when positive, and ``last_access``."""
-    node, info = item["node"], f"{len(item['edge'])} tok"
-    if node is not None and node["lock_count"]:
-        info += f" · lock {node['lock_count']}"
+    node, info = item["node"], f"\n{len(item['edge'])} tok"
     if node is not None:
-        info += f" · t={node['last_access']}"
-    return "\n" + info
+        lock = f" · lock {node['lock_count']}" if node["lock_count"] else ""
+        info += f"{lock} · t={node['last_access']}"
+    return info
 
 
 def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: Iterable[Path] = (),
@@ -213,11 +212,10 @@ def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: I
     Every box's text artist has its status as ``gid`` (``new``, ``hit``,
     ``evicted`` or ``cached``) for tests and post-processing.
     """
-    tree = snapshot(tree)
     new, hit, evicted = set(new), set(hit), set(evicted)
     if diff is not None:
         new, hit, evicted = new | diff.new, hit | diff.hit, evicted | diff.evicted
-    drawn = _drawn_items(tree, new, hit, evicted)
+    drawn = _drawn_items(snapshot(tree), new, hit, evicted)
     root = drawn[()]
     leaves = _place(root)
     depth = -min(item["y"] for item in drawn.values())

@@ -70,8 +70,6 @@ class AttentionBackend(Protocol):
 
     def plan(self, batch: AttentionBatch) -> None:
         """Prepare this step's metadata; ``run`` then serves every layer of the step."""
-        ...
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q: ``[num_tokens, num_qo_heads, head_dim]`` -> out of the same shape."""
-        ...

@@ -20,6 +20,7 @@ import torch
 
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.registry import FLASHINFER_DTYPE_NAMES
+from radixkv.attention.split import group_of, scale_for
 from radixkv.memory.kv_pool import KVPool
 
 # What radixkv's FlashInfer path runs: FlashInfer has no float32 attention kernels, and its FA2/FA3
@@ -98,15 +99,12 @@ class FlashInferBackend:
             raise FlashInferUnavailableError("FlashInferBackend needs the KV pool on a CUDA device")
         if reason := flashinfer_unsupported_shape(pool):
             raise FlashInferUnavailableError(reason)
-        if num_qo_heads % pool.num_kv_heads:
-            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {pool.num_kv_heads}")
-        self.pool, self.num_qo_heads = pool, num_qo_heads
-        self.scale = scale if scale is not None else pool.head_dim**-0.5
+        group = group_of(pool, num_qo_heads)
+        self.pool, self.num_qo_heads, self.scale = pool, num_qo_heads, scale_for(pool, scale)
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)  # allocated once
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         # FlashInfer's CUDA-core decode kernel is instantiated for these query heads per KV head only; other
         # groups decode through its tensor-core (prefill) kernel, which takes any group.
-        group = num_qo_heads // pool.num_kv_heads
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=group not in CUDA_CORE_DECODE_GROUPS)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None

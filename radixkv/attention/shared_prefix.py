@@ -53,12 +53,9 @@ class CascadeDecode:
     def plan(self, batch: AttentionBatch, requests: list[int]) -> None:
         slots = [np.asarray(batch.slots[r], dtype=np.int64) for r in requests]
         shared = shared_slot_prefix(slots) if len(requests) > 1 else 0
-        if shared < self.min_shared:
-            self.shared = None
-            self.padded.plan_slots(slots)
-            return
-        self.shared = torch.as_tensor(slots[0][:shared], device=self.pool.device)
-        self.padded.plan_slots([s[shared:] for s in slots])
+        short = shared < self.min_shared  # not worth the second level: the padded decode alone
+        self.shared = None if short else torch.as_tensor(slots[0][:shared], device=self.pool.device)
+        self.padded.plan_slots(slots if short else [s[shared:] for s in slots])
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [B, num_qo_heads, head_dim], the planned decodes' rows in order

@@ -23,12 +23,10 @@ class StepPart(Protocol):
 
     def plan(self, batch: AttentionBatch, requests: list[int]) -> None:
         """Plan the requests (indices into ``batch``, in order; possibly none) for every layer of the step."""
-        ...
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q: the planned requests' query rows, request after request ``[rows, num_qo_heads, head_dim]``;
         returns their attention output, same shape and dtype."""
-        ...
 
 
 class SplitBackend:

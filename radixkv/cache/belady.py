@@ -56,9 +56,7 @@ class FutureUses:
                 return float("inf")
             off += len(node.key)
         ranks = self.uses.get(id(node), ())
-        i = 0
-        while i < len(ranks) and ranks[i] in self._served:
-            i += 1
+        i = next((i for i, rank in enumerate(ranks) if rank not in self._served), len(ranks))
         if i > 8:  # drop the served head once it grows, keeping lookups short
             del ranks[:i]
             i = 0

@@ -47,9 +47,8 @@ def _xxhash() -> ChainHash:
     try:
         import xxhash
     except ImportError:
-        raise ValueError(
-            "hash_algo='xxhash' needs the xxhash package: pip install xxhash (or use 'sha256' or 'builtin')"
-        ) from None
+        raise ValueError("hash_algo='xxhash' needs the xxhash package: pip install xxhash "
+                         "(or use 'sha256' or 'builtin')") from None
     digest = xxhash.xxh3_128_digest
     return lambda parent, data: digest(parent + data)
 
@@ -75,11 +74,9 @@ class BlockHasher:
     def __init__(self, block_size: int, hash_algo: str, memo_entries: int, memo_chains: int):
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"unknown hash_algo {hash_algo!r}; choose one of {list(HASH_ALGOS)}")
-        self.block_size = block_size
-        self.hash_algo = hash_algo
+        self.block_size, self.hash_algo = block_size, hash_algo
         self.hash: ChainHash = {"sha256": _sha256, "builtin": _builtin}.get(hash_algo) or _xxhash()
-        self.memo_entries = memo_entries
-        self.memo_chains = memo_chains
+        self.memo_entries, self.memo_chains = memo_entries, memo_chains
         self._seeds: dict[Hashable, BlockKey] = {}  # the held seeds (see hold) and their owners
         self._owners: dict[BlockKey, Hashable] = {}
         # (seed, first block bytes) -> recent (token bytes, their chained keys, last block); see recall.

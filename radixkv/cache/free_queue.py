@@ -46,10 +46,8 @@ class FreeQueue:
         return iter(self._items)
 
     def push_reversed(self, items: Sequence[Any]) -> None:
-        """Append ``items`` at the tail, last item first."""
-        queue = self._items
-        for item in reversed(items):
-            queue[item] = None
+        """Append ``items`` at the tail, last item first (one already queued keeps its place)."""
+        self._items.update(dict.fromkeys(reversed(items)))
 
     def refresh(self, items: Sequence[Any]) -> None:
         """Nothing: the order is release order, which a lookup does not change (vLLM's free queue)."""

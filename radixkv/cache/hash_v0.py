@@ -150,12 +150,8 @@ class HashV0Cache:
             block.lock_count = block.own_lock_count = 0
         self._blocks: dict[tuple[int, Hashable], V0Block] = {}  # (key, namespace): namespaces by equality
         self._spare: list[np.ndarray] = []  # callers' copies of blocks the table already held (see insert)
-        self._spare_tokens = 0
         self._heap: list[tuple[int, int, int, V0Block]] = []  # (last_access, -hashed tokens, seq, block), lazy
-        self._seq = 0
-        self._unlocked = 0
-        self._protected_blocks = 0
-        self._clock = 0
+        self._spare_tokens = self._seq = self._unlocked = self._protected_blocks = self._clock = 0
         self._queried_tokens = self._hit_tokens = self._hashed_tokens = 0
         self.root = V0Chain((), self)
         if self.listener is not None:
@@ -313,25 +309,25 @@ class HashV0Cache:
             _, _, seq, block = heapq.heappop(self._heap)
             if not self._live(seq, block):
                 continue
-            block.cached = False
-            del self._blocks[(block.key, block.namespace)]
-            self._unlocked -= 1
-            if self.listener is not None:
-                self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
+            self._drop(block)
             freed.append(block.slots)
             count += self.block_size
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
-    def _strand(self, block: V0Block) -> None:
-        """Drop a stranded block (unlocked: its missing parent held no lock) for the caller's copy; its slots
-        join the spare ones."""
+    def _drop(self, block: V0Block) -> None:
+        """Take an unlocked block out of the table and tell the listener. O(1)."""
         del self._blocks[(block.key, block.namespace)]
         block.cached = False
         self._unlocked -= 1
+        if self.listener is not None:
+            self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
+
+    def _strand(self, block: V0Block) -> None:
+        """Drop a stranded block (unlocked: its missing parent held no lock) for the caller's copy; its slots
+        join the spare ones."""
         self._spare.append(block.slots)
         self._spare_tokens += self.block_size
-        if self.listener is not None:  # it leaves the table before the caller's copy takes its key
-            self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
+        self._drop(block)  # it leaves the table (and the listener hears so) before the caller's copy takes its key
 
     def _stored(self, covered: list[V0Block], leading: int, toks: list[int], namespace: Hashable) -> None:
         """Tell the listener about ``covered[leading:]``, an insert's new blocks. Block hashes are the table's
@@ -413,9 +409,7 @@ class HashV0Cache:
         live = {id(e[3]) for e in self._heap if self._live(e[2], e[3])}
         for block in self._blocks.values():
             require(block.lock_count > 0 or id(block) in live, "every unlocked block is ranked", block)
-        parts = [b.slots for b in self._blocks.values()] + self._spare
-        if parts:
-            require(all_unique(np.concatenate(parts)), "slot indices unique across the cache")
+        require(all_unique(self.held_slots()), "slot indices unique across the cache")
 
     def stranded(self) -> int:
         """Cached blocks whose parent is not cached (never matchable until a re-insert revives them). O(blocks)."""
@@ -433,9 +427,7 @@ class HashV0Cache:
             return entry_dict(list(block.tokens), block.slots.tolist(), block,
                               [walk(c) for c in children.get(block.key, [])])
 
-        tree = empty_tree()
-        tree["children"] = [walk(b) for b in children.get(None, [])]
-        return tree
+        return empty_tree([walk(b) for b in children.get(None, [])])
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's reachable blocks plus sizes. O(blocks)."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from radixkv.cache.base import MatchResult, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
+from radixkv.cache.render import empty_tree
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -46,10 +47,10 @@ class NoPrefixCache:
         return 0
 
     def lock(self, node: Any) -> None:
-        return None
+        """Nothing to lock: no match ever names an entry."""
 
     def unlock(self, node: Any) -> None:
-        return None
+        """Nothing to unlock."""
 
     def evict(self, num_tokens: int) -> np.ndarray:
         return _EMPTY.copy()
@@ -58,7 +59,7 @@ class NoPrefixCache:
         return _EMPTY.copy()
 
     def unlock_all(self) -> None:
-        return None
+        """Nothing to unlock."""
 
     total_size = property(lambda self: 0)
     evictable_size = property(lambda self: 0)
@@ -68,10 +69,10 @@ class NoPrefixCache:
         return {"queried_tokens": self._queried_tokens, "hit_tokens": 0, "hit_rate": 0.0}
 
     def check_invariants(self) -> None:
-        return None
+        """Nothing to check: the cache holds no state but a counter."""
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
-        return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0, "children": []}
+        return empty_tree()
 
     def pretty_print(self) -> str:
         return "NoPrefixCache()"

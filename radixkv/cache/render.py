@@ -17,9 +17,10 @@ def entry_dict(tokens: list[int], indices: list[int], entry: Any, children: list
             "hit_count": entry.hit_count, "children": children}
 
 
-def empty_tree() -> dict[str, Any]:
-    """The snapshot of an empty root."""
-    return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0, "children": []}
+def empty_tree(children: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The snapshot of a root: an empty one, or one over ``children`` (their snapshots)."""
+    return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
+            "children": [] if children is None else children}
 
 
 def shown(tokens: Any) -> str:

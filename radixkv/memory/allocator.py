@@ -98,10 +98,8 @@ class SlotAllocator:
         ps = self.page_size
         pages_needed = -(-n // ps)
         if pages_needed > self._top:
-            raise OutOfSlotsError(
-                f"need {n} slots ({pages_needed} pages of {ps}) but only "
-                f"{self.num_free} slots ({self._top} pages) are free"
-            )
+            raise OutOfSlotsError(f"need {n} slots ({pages_needed} pages of {ps}) but only {self.num_free} slots "
+                                  f"({self._top} pages) are free")
         if pages_needed == 0:
             return np.zeros(0, dtype=np.int64)
         pages = self._stack[self._top - pages_needed : self._top][::-1].astype(np.int64)

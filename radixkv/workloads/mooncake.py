@@ -60,11 +60,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def _integer(x: object) -> int | None:
     """``x`` as an int where it is one (or an integral float), else None."""
-    if is_int(x):
-        return int(x)
-    if isinstance(x, float) and x.is_integer():
-        return int(x)
-    return None
+    return int(x) if is_int(x) or (isinstance(x, float) and x.is_integer()) else None
 
 
 def _record(line: str, where: str) -> dict:
@@ -114,11 +110,9 @@ def trace_requests(rows: list[dict]) -> list[Request]:
         out_len = max(int(row["output_length"]), 1)
         output = np.arange(next_output_id, next_output_id - out_len, -1, dtype=np.int64)
         next_output_id -= out_len
-        requests.append(Request(
-            arrival=row["timestamp"] / 1000.0, session=None,
-            prompt=block_tokens(row["hash_ids"], int(row["input_length"])),
-            output_len=out_len, output=output, rid=i, meta={"hash_ids": row["hash_ids"]},
-        ))
+        requests.append(Request(arrival=row["timestamp"] / 1000.0, session=None,
+                                prompt=block_tokens(row["hash_ids"], int(row["input_length"])), output_len=out_len,
+                                output=output, rid=i, meta={"hash_ids": row["hash_ids"]}))
     return requests
 
 

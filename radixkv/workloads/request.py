@@ -82,11 +82,9 @@ class Request:
         return len(self.prompt)
 
     def __repr__(self) -> str:
-        return (
-            f"Request(rid={self.rid}, arrival={self.arrival:.3f}, session={self.session!r}, "
-            f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent}"
-            + (f", after={self.after})" if self.after else ")")
-        )
+        return (f"Request(rid={self.rid}, arrival={self.arrival:.3f}, session={self.session!r}, "
+                f"prompt_len={self.prompt_len}, output_len={self.output_len}, parent={self.parent}"
+                + (f", after={self.after})" if self.after else ")"))
 
 
 def _token_ids(values: object, name: str) -> np.ndarray:
@@ -135,7 +133,6 @@ def number(requests: list[Request]) -> list[Request]:
     out = [requests[i] for i in order]
     for new, req in enumerate(out):
         req.rid = new
-        if req.parent is not None:
-            req.parent = new_id[req.parent]
+        req.parent = None if req.parent is None else new_id[req.parent]
         req.after = tuple(new_id[d] for d in req.after)
     return out

@@ -20,32 +20,27 @@ MULTI_TURN_PRESETS: dict[str, dict] = {
     "sglang-long": dict(sessions=20, turns=4, user_tokens=(256, 512), output_tokens=(256, 512)),
     # vLLM benchmarks/multi_turn: 24 conversations of 12-18 turns, a 500-token common prefix,
     # a ~1,000-token per-conversation prefix, user turns 120-160 tokens, answers 80-120.
-    "vllm": dict(
-        sessions=24, turns=(12, 18), system_tokens=500, session_prefix_tokens=1000,
-        user_tokens=(120, 160), output_tokens=(80, 120),
-    ),
+    "vllm": dict(sessions=24, turns=(12, 18), system_tokens=500, session_prefix_tokens=1000, user_tokens=(120, 160),
+                 output_tokens=(80, 120)),
 }
 
 
 def _arrivals(src: TokenSource, n: int, rate: float | None) -> np.ndarray:
-    if rate is None:
-        return np.zeros(n)
-    return np.cumsum(src.rng.exponential(1.0 / rate, size=n))
+    return np.zeros(n) if rate is None else np.cumsum(src.rng.exponential(1.0 / rate, size=n))
 
 
-def multi_turn(
-    seed: int = 0,
-    preset: str = "sglang-short",
-    sessions: int | None = None,
-    turns: Length | None = None,
-    system_tokens: int | None = None,
-    session_prefix_tokens: int | None = None,
-    user_tokens: Length | None = None,
-    output_tokens: Length | None = None,
-    session_gap: float = 0.0,
-    think_time: float = 0.0,
-    vocab_size: int | None = None,
-) -> list[Request]:
+def _sent(src: TokenSource, items: list, shuffle: bool, rate: float | None) -> zip:
+    """``(arrival, item)`` pairs in sending order: ``items`` shuffled (where ``shuffle``), then their arrivals
+    drawn, in that order from ``src`` (the workload a seed gives depends on it)."""
+    if shuffle:
+        items = [items[i] for i in src.rng.permutation(len(items))]
+    return zip(_arrivals(src, len(items), rate), items, strict=True)
+
+
+def multi_turn(seed: int = 0, preset: str = "sglang-short", sessions: int | None = None, turns: Length | None = None,
+               system_tokens: int | None = None, session_prefix_tokens: int | None = None,
+               user_tokens: Length | None = None, output_tokens: Length | None = None, session_gap: float = 0.0,
+               think_time: float = 0.0, vocab_size: int | None = None) -> list[Request]:
     """Chat sessions: every turn's prompt is the whole history, previous answers included.
 
     ``preset`` picks SGLang's multi-turn chat shape (``sglang-short`` /
@@ -68,26 +63,17 @@ def multi_turn(
         for t in range(src.length(shape["turns"])):
             prompt = np.concatenate([history, src.span(src.length(shape["user_tokens"]))])
             output = src.span(src.length(shape["output_tokens"]))
-            requests.append(Request(
-                arrival=s * session_gap + t * 1e-9, session=s, prompt=prompt, output_len=len(output),
-                output=output, parent=parent, think_time=think_time, meta={"turn": t},
-            ))
+            requests.append(Request(arrival=s * session_gap + t * 1e-9, session=s, prompt=prompt,
+                                    output_len=len(output), output=output, parent=parent, think_time=think_time,
+                                    meta={"turn": t}))
             parent = len(requests) - 1
             history = np.concatenate([prompt, output])
     return number(requests)
 
 
-def shared_prefix(
-    seed: int = 0,
-    groups: int = 64,
-    prompts_per_group: int = 16,
-    system_tokens: Length = 2048,
-    question_tokens: Length = 128,
-    output_tokens: Length = 256,
-    shuffle: bool = True,
-    rate: float | None = None,
-    vocab_size: int | None = None,
-) -> list[Request]:
+def shared_prefix(seed: int = 0, groups: int = 64, prompts_per_group: int = 16, system_tokens: Length = 2048,
+                  question_tokens: Length = 128, output_tokens: Length = 256, shuffle: bool = True,
+                  rate: float | None = None, vocab_size: int | None = None) -> list[Request]:
     """SGLang's generated-shared-prefix benchmark: groups of questions behind one long system prompt."""
     src = TokenSource(seed, vocab_size)
     items = []
@@ -95,29 +81,16 @@ def shared_prefix(
         system = src.span(src.length(system_tokens))
         for q in range(prompts_per_group):
             items.append((g, q, np.concatenate([system, src.span(src.length(question_tokens))])))
-    if shuffle:
-        items = [items[i] for i in src.rng.permutation(len(items))]
-    arrivals = _arrivals(src, len(items), rate)
     return number([
         Request(arrival=float(a), session=g, prompt=p, output_len=src.length(output_tokens), meta={"question": q})
-        for a, (g, q, p) in zip(arrivals, items, strict=True)
+        for a, (g, q, p) in _sent(src, items, shuffle, rate)
     ])
 
 
-def few_shot(
-    seed: int = 0,
-    style: str = "mmlu",
-    subjects: int = 16,
-    questions_per_subject: int = 16,
-    prefix_tokens: Length = (768, 1536),
-    question_tokens: Length = (48, 160),
-    choices: int = 4,
-    ending_tokens: Length = (16, 32),
-    output_tokens: Length = 1,
-    shuffle: bool = True,
-    rate: float | None = None,
-    vocab_size: int | None = None,
-) -> list[Request]:
+def few_shot(seed: int = 0, style: str = "mmlu", subjects: int = 16, questions_per_subject: int = 16,
+             prefix_tokens: Length = (768, 1536), question_tokens: Length = (48, 160), choices: int = 4,
+             ending_tokens: Length = (16, 32), output_tokens: Length = 1, shuffle: bool = True,
+             rate: float | None = None, vocab_size: int | None = None) -> list[Request]:
     """Few-shot evaluation prompts.
 
     ``mmlu``: a 5-shot prefix per subject (up to 1,536 tokens), then one
@@ -140,25 +113,15 @@ def few_shot(
             context = np.concatenate([prefix, src.span(src.length(question_tokens))])
             for _ in range(choices):
                 items.append((q, np.concatenate([context, src.span(src.length(ending_tokens))])))
-    if shuffle:
-        items = [items[i] for i in src.rng.permutation(len(items))]
-    arrivals = _arrivals(src, len(items), rate)
     return number([
         Request(arrival=float(a), session=g, prompt=p, output_len=src.length(output_tokens))
-        for a, (g, p) in zip(arrivals, items, strict=True)
+        for a, (g, p) in _sent(src, items, shuffle, rate)
     ])
 
 
-def tree_of_thought(
-    seed: int = 0,
-    trees: int = 8,
-    branching: int = 3,
-    depth: int = 3,
-    problem_tokens: Length = (256, 512),
-    instruction_tokens: Length = (16, 48),
-    thought_tokens: Length = (64, 128),
-    vocab_size: int | None = None,
-) -> list[Request]:
+def tree_of_thought(seed: int = 0, trees: int = 8, branching: int = 3, depth: int = 3,
+                    problem_tokens: Length = (256, 512), instruction_tokens: Length = (16, 48),
+                    thought_tokens: Length = (64, 128), vocab_size: int | None = None) -> list[Request]:
     """Tree-of-thought search: each node extends its parent's prompt and thought.
 
     A tree has ``branching ** level`` requests at level 1..depth below a root
@@ -182,15 +145,9 @@ def tree_of_thought(
     return number(requests)
 
 
-def self_consistency(
-    seed: int = 0,
-    questions: int = 16,
-    samples: int = 8,
-    prompt_tokens: Length = (512, 1024),
-    output_tokens: Length = (128, 256),
-    rate: float | None = None,
-    vocab_size: int | None = None,
-) -> list[Request]:
+def self_consistency(seed: int = 0, questions: int = 16, samples: int = 8, prompt_tokens: Length = (512, 1024),
+                     output_tokens: Length = (128, 256), rate: float | None = None,
+                     vocab_size: int | None = None) -> list[Request]:
     """Self-consistency: every question is sampled ``samples`` times with the same prompt."""
     src = TokenSource(seed, vocab_size)
     arrivals = _arrivals(src, questions, rate)
@@ -203,14 +160,9 @@ def self_consistency(
     return number(requests)
 
 
-def no_sharing(
-    seed: int = 0,
-    requests: int = 256,
-    prompt_tokens: Length = (256, 1024),
-    output_tokens: Length = (32, 128),
-    rate: float | None = None,
-    vocab_size: int | None = None,
-) -> list[Request]:
+def no_sharing(seed: int = 0, requests: int = 256, prompt_tokens: Length = (256, 1024),
+               output_tokens: Length = (32, 128), rate: float | None = None,
+               vocab_size: int | None = None) -> list[Request]:
     """The control: independent prompts that share nothing."""
     src = TokenSource(seed, vocab_size)
     arrivals = _arrivals(src, requests, rate)
