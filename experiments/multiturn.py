@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.sim import CostModel, SimResult, simulate
+from radixkv.sim.cost import TIME_CONSTANTS
 from radixkv.workloads import Request, TokenSource
 from radixkv.workloads.request import number
 
@@ -304,8 +304,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.calibrate:
         path = Path(f"{out}-costmodel.json")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({k: float(v) for k, v in asdict(cost).items()}, indent=2))
-        print("fitted cost model:", {k: f"{v:.3g}" for k, v in asdict(cost).items()}, "->", path)
+        fitted = {k: float(getattr(cost, k)) for k in TIME_CONSTANTS}
+        path.write_text(json.dumps(fitted, indent=2))
+        print("fitted cost model:", {k: f"{v:.3g}" for k, v in fitted.items()}, "->", path)
     for r in rows:
         r.update(args=vars(args), env=environment())
     print("wrote", write_rows(out, rows + [{"summary": summary, "args": vars(args)}]),

@@ -33,6 +33,10 @@ class EngineConfig:
     without a prefix cache).
     ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
     (what was computed, the model's seconds): calibration data for the simulator.
+    ``host_kv_cache_tokens`` adds a host tier of that many tokens below the device pool (a second KV buffer
+    in host memory, pinned beside a CUDA device; None or 0: none), written under ``write_policy`` (SGLang's
+    ``write_through``, ``write_through_selective`` after ``write_threshold`` hits, ``write_back``); see
+    ``radixkv.cache.tiered``.
     ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
     float32); ``LLM`` resolves it, so ``LLM(...).config.dtype`` is always a concrete name.
     """
@@ -53,6 +57,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     record_steps: bool = False
+    host_kv_cache_tokens: int | None = None
+    write_policy: str = "write_through"
+    write_threshold: int = 2
 
     def __post_init__(self) -> None:
         # torch.bfloat16 / torch.device("cpu") are accepted and kept as their names (configs are saved as JSON)
@@ -88,9 +95,12 @@ class EngineConfig:
 
     @property
     def stack(self) -> StackConfig:
-        """The cache and scheduling settings as one ``StackConfig`` (``kv_cache_tokens`` is its capacity)."""
-        values = {f.name: getattr(self, f.name) for f in fields(StackConfig) if f.name != "capacity_tokens"}
-        return StackConfig(**values, capacity_tokens=self.kv_cache_tokens)
+        """The cache and scheduling settings as one ``StackConfig`` (``kv_cache_tokens`` is its capacity,
+        ``host_kv_cache_tokens`` its host tier's)."""
+        own = ("capacity_tokens", "host_capacity_tokens", "storage_capacity_tokens")  # named for the engine here
+        values = {f.name: getattr(self, f.name) for f in fields(StackConfig) if f.name not in own}
+        return StackConfig(**values, capacity_tokens=self.kv_cache_tokens,
+                           host_capacity_tokens=self.host_kv_cache_tokens)
 
     @property
     def kv_page_size(self) -> int:

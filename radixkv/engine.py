@@ -24,10 +24,12 @@ from numbers import Integral
 import torch
 
 from radixkv.attention import AttentionBatch
+from radixkv.checks import is_real
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.forward import build_forward
 from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
+from radixkv.kv_transfer import KVMover
 from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.loader import resolve_dtype
@@ -89,11 +91,12 @@ class LLM:
 
     ``LLM(model, prefix_cache="radix" | "hash" | "hash-v0" | "none", ...)`` takes the fields
     of ``EngineConfig``; ``enable_prefix_caching=False`` is vLLM's spelling of
-    ``prefix_cache="none"``.
+    ``prefix_cache="none"``; ``hicache_ratio=R`` (SGLang's spelling) sizes the host tier at R x the device
+    pool, so ``LLM(...).config.host_kv_cache_tokens`` is always the concrete size.
     """
 
     def __init__(self, model: str = "smollm2-135m", prefix_cache: str = "radix",
-                 enable_prefix_caching: bool | None = None, **settings):
+                 enable_prefix_caching: bool | None = None, hicache_ratio: float | None = None, **settings):
         if enable_prefix_caching is not None and not enable_prefix_caching:
             prefix_cache = "none"
         elif enable_prefix_caching and prefix_cache == "none":
@@ -109,7 +112,10 @@ class LLM:
             KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype), cfg.device)
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=cfg.kv_page_size,
                            dtype=dtype, device=cfg.device)
-        stack = build_stack(cfg.stack, self.pool.num_slots)
+        self.mover = self._host_tier(hicache_ratio)
+        self.config = cfg = self.config if self.mover is None else replace(
+            cfg, host_kv_cache_tokens=self.mover.pools["host"].num_slots)
+        stack = build_stack(cfg.stack, self.pool.num_slots, mover=self.mover)
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
         self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend)
@@ -119,6 +125,22 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
         self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0}  # the scheduler counts tokens
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
+
+    def _host_tier(self, ratio: float | None) -> KVMover | None:
+        """A host tier's buffer (pinned beside a CUDA pool) and the mover of copies to and from it: of
+        ``host_kv_cache_tokens``, or ``ratio`` x the device pool (SGLang's ``--hicache-ratio``); None without."""
+        tokens = self.config.host_kv_cache_tokens
+        if ratio is not None:
+            if tokens or not (is_real(ratio) and ratio > 0):
+                raise ValueError(f"hicache_ratio must be a number > 0, and not given with host_kv_cache_tokens "
+                                 f"(got {ratio!r}, {tokens!r})")
+            tokens = max(int(ratio * self.pool.num_slots), self.pool.page_size)
+        if not tokens:
+            return None
+        pool = self.pool
+        host = KVPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, num_slots=tokens, page_size=pool.page_size,
+                      dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+        return KVMover(pool, host)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -165,6 +187,8 @@ class LLM:
         try:
             with deferred_interrupts():  # a Ctrl-C here is raised after the books are whole again
                 batch = self.scheduler.schedule()
+            if self.mover is not None:
+                self.mover.wait()  # loads land before attention reads them
             if not batch:
                 if self.waiting or self.running:
                     raise EngineStalledError(self._stalled())
@@ -182,6 +206,8 @@ class LLM:
             raise
 
     def _record(self, seconds: float, model_s: float, ab: AttentionBatch, prefill_rows: list[bool]) -> None:
+        if self.mover is not None:
+            self.cache.take_copies()  # done already (the mover ran each); the counters keep the totals
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
@@ -255,12 +281,20 @@ class LLM:
         ``evictions`` counts the times memory pressure made the cache give up
         slots, ``evicted_tokens`` the slots it gave up.
 
+        ``hit_tokens_by_tier`` splits the cached tokens by the tier they came from (``device``, ``host``);
+        ``loaded_tokens`` counts tokens copied host -> device, ``written_tokens`` device -> host.
+
         ``step_s`` is the time spent in ``step()``, ``model_s`` the part of it in
         the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
         engine's own share (scheduling, cache, metadata, attention planning, sampling).
         """
         s = self.scheduler.stats | self._stats
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+        tiers = self.scheduler.hit_by_tier
+        s["hit_tokens_by_tier"] = {"device": tiers.get("device", 0), "host": tiers.get("host", 0)}
+        tiered = self.mover is not None
+        s["loaded_tokens"] = sum(self.cache.loaded_tokens.values()) if tiered else 0
+        s["written_tokens"] = sum(self.cache.written_tokens.values()) if tiered else 0
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
 
@@ -270,6 +304,8 @@ class LLM:
         with deferred_interrupts():
             slots = self.cache.evict(self.cache.evictable_size)
             self.allocator.free(slots)
+            for tier in getattr(self.cache, "tiers", ()):  # the host tier's copies go too
+                tier.allocator.free(tier.cache.evict(tier.cache.evictable_size))
         return len(slots)
 
     def cache_state(self) -> dict:
@@ -284,12 +320,18 @@ class LLM:
         return {"prefix_cache": self.config.prefix_cache, "stats": c.stats(), "total_size": c.total_size,
                 "evictable_size": c.evictable_size, "protected_size": c.protected_size,
                 "free_slots": self.allocator.num_free, "capacity": self.allocator.capacity,
+                "tiers": {t.name: {"total_size": t.cache.total_size, "capacity": t.allocator.capacity}
+                          for t in getattr(c, "tiers", ())},
                 "invariants_hold": ok, "problem": problem}
 
     def reset_stats(self) -> None:
         """Zero the counters and the step log (the cache keeps its contents): e.g. after a warm-up request."""
         self._stats = {k: type(v)() for k, v in self._stats.items()}
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
+        self.scheduler.hit_by_tier = {}
+        if self.mover is not None:
+            self.cache.loaded_tokens = dict.fromkeys(self.cache.loaded_tokens, 0)
+            self.cache.written_tokens = dict.fromkeys(self.cache.written_tokens, 0)
         self.step_log = []
 
     def check_idle(self) -> None:

@@ -21,6 +21,7 @@ import json
 import sys
 
 from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.cache.tiered import WRITE_POLICIES
 from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
 from radixkv.heap import freeze_startup_heap
 from radixkv.routing import ROUTERS as ROUTER_NAMES
@@ -41,7 +42,12 @@ ENGINE_HELP = {
     "attention_backend": "attention kernels: auto picks FlashInfer on a GPU (16-bit), radixkv's compiled CPU "
                          "kernels on a CPU (16-bit), else PyTorch",
     "seed": "seed for sampling and for random policies",
+    "host_kv_cache_tokens": "host tier below the KV pool, in tokens (HiCache: a second KV buffer in host memory; "
+                            "None: none)",
+    "write_policy": "when KV is copied to the host tier: on insert, after write_threshold hits, or on eviction",
+    "write_threshold": "hits before write_through_selective copies an entry to the host tier",
 }
+FLAG_NAMES = {"write_policy": "hicache_write_policy"}  # SGLang's spelling
 ENGINE_FLAGS = tuple(ENGINE_HELP)
 
 
@@ -55,11 +61,15 @@ def parser() -> argparse.ArgumentParser:
                    help="vLLM's spelling: --no-enable-prefix-caching is --prefix-cache none")
     defaults = EngineConfig()
     choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "eviction_policy": sorted(EVICTION_POLICIES),
-               "schedule_policy": SCHEDULE_POLICIES}
+               "schedule_policy": SCHEDULE_POLICIES, "write_policy": WRITE_POLICIES}
     for name, text in ENGINE_HELP.items():
-        kind = str if name in choices else _optional_int if name == "kv_cache_tokens" else int
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name),
+        kind = str if name in choices else _optional_int if name.endswith("kv_cache_tokens") else int
+        flag = FLAG_NAMES.get(name, name).replace("_", "-")
+        p.add_argument(f"--{flag}", dest=name, type=kind, default=getattr(defaults, name),
                        choices=choices.get(name), help=text)
+    p.add_argument("--hicache-ratio", type=float, default=None,
+                   help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "
+                        "--host-kv-cache-tokens)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -78,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _optional_int(text: str) -> int | None:
-    """``--kv-cache-tokens``: an integer, or None for the default size."""
+    """``--kv-cache-tokens`` / ``--host-kv-cache-tokens``: an integer, or None (the default size; no tier)."""
     return None if text.lower() == "none" else int(text)
 
 
@@ -89,6 +99,8 @@ def build(args: argparse.Namespace):
     from radixkv.serving.async_llm import AsyncLLM
 
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    if args.hicache_ratio is not None:
+        settings["hicache_ratio"] = args.hicache_ratio
     if args.replicas != 1:
         engine = _cluster_engine(args, settings)
     else:

@@ -27,12 +27,14 @@ from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
+from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
 from radixkv.checks import is_int
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.scheduling import RequestState, Scheduler, make_policy
 
 BLOCK_CACHES = ("hash", "hash-v0")  # caches that allocate whole blocks of ``block_size``
+TIERED_CACHES = ("radix", "hash")  # those a host or storage tier can sit below
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class StackConfig:
     for every token). ``in_batch_sharing``: SGLang's in-batch prefix caching threshold in tokens (0: off).
     ``max_batch_tokens`` / ``chunked_prefill_size``: tokens per step and per prefill chunk (None: no limit).
     ``eviction_policy`` takes ``belady`` too where the caller supplies the future (the simulator).
+    ``host_capacity_tokens`` / ``storage_capacity_tokens`` put lower tiers below a radix or hash cache (None
+    or 0: none), copied down under ``write_policy`` (``write_threshold`` hits for the selective one); see
+    ``radixkv.cache.tiered``.
     """
 
     prefix_cache: str = "radix"
@@ -56,6 +61,10 @@ class StackConfig:
     chunked_prefill_size: int | None = 1024
     max_running: int = 64
     seed: int = 0
+    host_capacity_tokens: int | None = None
+    storage_capacity_tokens: int | None = None
+    write_policy: str = "write_through"
+    write_threshold: int = 2
 
     def __post_init__(self) -> None:
         for message in self.problems():
@@ -63,8 +72,10 @@ class StackConfig:
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, types first (the range checks compare numbers)."""
-        ints = ("page_size", "block_size", "max_running", "in_batch_sharing", "seed")
-        optional = ("capacity_tokens", "max_batch_tokens", "chunked_prefill_size")
+        ints = ("page_size", "block_size", "max_running", "in_batch_sharing", "seed", "write_threshold")
+        budgets = ("capacity_tokens", "max_batch_tokens", "chunked_prefill_size")
+        tiers = ("host_capacity_tokens", "storage_capacity_tokens")
+        optional = budgets + tiers
         wrong = [f"{n} must be an integer" for n in ints if not is_int(getattr(self, n))]
         wrong += [f"{n} must be an integer or None (capacity_tokens and the token budgets)" for n in optional
                   if getattr(self, n) is not None and not is_int(getattr(self, n))]
@@ -76,12 +87,23 @@ class StackConfig:
              f"eviction_policy must be one of {sorted(EVICTION_POLICIES)} (or belady, in the simulator)"),
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),
-            (all(getattr(self, n) is None or getattr(self, n) >= 1 for n in optional),
+            (all(getattr(self, n) is None or getattr(self, n) >= 1 for n in budgets),
              "capacity_tokens and the token budgets must be >= 1 or None"),
             (self.max_running >= 1, "max_running must be >= 1"),
+            (all((getattr(self, n) or 0) >= 0 for n in tiers), "tier capacities must be >= 0 (0: none)"),
             (self.in_batch_sharing >= 0, "in_batch_sharing must be >= 0 (0 disables it)"),
+            (self.write_policy in WRITE_POLICIES, f"write_policy must be one of {WRITE_POLICIES}"),
+            (self.write_threshold >= 1, "write_threshold must be >= 1"),
+            (not self.tiered or self.prefix_cache in TIERED_CACHES,
+             f"host and storage tiers work with the caches {TIERED_CACHES}"),
+            (not self.tiered or self.eviction_policy != "belady", "tiers take an online eviction_policy"),
         ]
         return [message for ok, message in checks if not ok]
+
+    @property
+    def tiered(self) -> bool:
+        """Whether a host or storage tier sits below the device's cache."""
+        return bool(self.host_capacity_tokens or self.storage_capacity_tokens)
 
     @property
     def kv_page_size(self) -> int:
@@ -126,14 +148,24 @@ class Stack:
 
 
 def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = None,
-                whole_kv: Callable[[RequestState], int] | None = None, **cache_options: Any) -> Stack:
+                whole_kv: Callable[[RequestState], int] | None = None, storage: Tier | None = None,
+                worth_loading: Callable[[str, int, int], bool] | None = None,
+                mover: Callable[[Copy], None] | None = None, **cache_options: Any) -> Stack:
     """The cache (``cache`` if given, else ``make_cache`` from ``config`` with ``cache_options``, e.g. the
     simulator's ``future`` for Belady), an allocator of ``slots`` at the cache's page, and a scheduler with
     ``config``'s policy and budgets; ``whole_kv`` reserves each request's whole KV at admission (see
-    ``Scheduler``)."""
+    ``Scheduler``). With a host or storage capacity the cache is a ``TieredCache`` over a host tier and a
+    storage tier (``storage`` if given: a store several replicas share), with ``worth_loading`` and
+    ``mover`` (see ``TieredCache``)."""
     prefix_cache = cache if cache is not None else make_cache(
         config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
         eviction_policy=config.eviction_policy, **cache_options)
+    if cache is None and config.tiered:
+        tiers = [lower_tier(config, "host", config.host_capacity_tokens)] if config.host_capacity_tokens else []
+        if storage is None and config.storage_capacity_tokens:
+            storage = lower_tier(config, "storage", config.storage_capacity_tokens)
+        prefix_cache = TieredCache(prefix_cache, tiers + ([storage] if storage is not None else []),
+                                   config.write_policy, config.write_threshold, worth_loading, mover)
     page = prefix_cache.page_size  # the granularity every cache exposes: its whole pages or blocks
     # in-batch sharing never applies without a prefix cache: holding requests back for one only delays them
     sharing = 0 if isinstance(prefix_cache, NoPrefixCache) else config.in_batch_sharing
@@ -145,6 +177,12 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     return Stack(prefix_cache, allocator, scheduler)
 
 
+def lower_tier(config: StackConfig, name: str, capacity_tokens: int, shared: bool = False) -> Tier:
+    """A host or storage tier for ``config``'s cache: the same kind and page, ``capacity_tokens`` slots, LRU."""
+    cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size)
+    return Tier(name, cache, SlotAllocator(capacity_tokens, page_size=cache.page_size), shared)
+
+
 def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
     """Both structures' invariants hold, nothing is locked, and every slot is free or evictable (no leak);
     ``AssertionError`` otherwise. Call it when no request waits or runs."""
@@ -152,6 +190,9 @@ def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
     allocator.check_invariants()
     if cache.protected_size:
         raise AssertionError(f"idle but {cache.protected_size} cached tokens are still locked")
+    for tier in getattr(cache, "tiers", ()):  # a tiered cache's lower tiers hold locks only while a load reads
+        if tier.cache.protected_size and not tier.shared:
+            raise AssertionError(f"idle but {tier.cache.protected_size} tokens of tier {tier.name!r} are locked")
     held = allocator.num_free + cache.evictable_size
     if held != allocator.capacity:
         raise AssertionError(f"slots leaked: free + evictable = {held} != {allocator.capacity}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, a CUDA build of torch and a CUDA toolkit (nvcc): FlashInfer against the
-# PyTorch reference backend (tests/test_attention_gpu.py), the engine on the GPU (tests/test_engine_gpu.py)
-# and a short experiments.bench_engine run. FlashInfer JIT-compiles its kernels; scripts/gpu_warmup.py
+# PyTorch reference backend (tests/test_attention_gpu.py), the engine on the GPU (tests/test_engine_gpu.py),
+# the host tier's pinned buffer and side-stream copies (tests/test_tiers_gpu.py) and a short experiments.bench_engine run. FlashInfer JIT-compiles its kernels; scripts/gpu_warmup.py
 # builds the ones these use, in parallel, first.
 #
 # Online (default): pip install -e ".[dev,gpu]". Offline (--wheels DIR, DIR from scripts/prepare_gpu_wheels.sh):
@@ -138,7 +138,7 @@ echo "GPU: $(python3 -c 'import torch; print(torch.cuda.get_device_name())') (sm
     "nvcc: $(command -v nvcc || echo "$CUDA_HOME/bin/nvcc"); MAX_JOBS=$MAX_JOBS; JIT cache: $FLASHINFER_WORKSPACE_BASE"
 
 phase "compile the kernels (scripts/gpu_warmup.py)" python3 scripts/gpu_warmup.py
-phase "pytest -m gpu" python3 -m pytest -q -m gpu tests/test_attention_gpu.py tests/test_engine_gpu.py "${pytest_args[@]}"
+phase "pytest -m gpu" python3 -m pytest -q -m gpu tests/test_attention_gpu.py tests/test_engine_gpu.py tests/test_tiers_gpu.py "${pytest_args[@]}"
 # the random-weight model of SmolLM2's shapes: the GGUF file does not travel with the wheels
 phase "bench_engine --device cuda --quick" python3 -m experiments.bench_engine --device cuda --quick \
     --model smollm2-135m-random

@@ -37,6 +37,15 @@ class MatchResult(NamedTuple):
     node: Any
 
 
+class Evicted(NamedTuple):
+    """One entry ``evict`` removed, for a caller that keeps it elsewhere (a tiered cache's write-back): the
+    whole prefix through it (``tokens``) and that prefix's slots, the entry's own last (still unreused)."""
+
+    namespace: Hashable
+    tokens: np.ndarray
+    slots: np.ndarray
+
+
 @runtime_checkable
 class PrefixCache(Protocol):
     """The surface shared by ``RadixCache``, ``HashBlockCache``, ``HashV0Cache`` and ``NoPrefixCache``.

@@ -30,6 +30,7 @@ class BlockStored:
         token_ids: the blocks' tokens as plain ints, ``len == len(block_hashes) * block_size``.
         block_size: tokens per block (the radix tree's page size).
         namespace: the namespace (adapter, cache salt) the chain lives in.
+        medium: the tier that holds them (vLLM's names: ``GPU`` the device, ``CPU`` host memory, ``STORAGE``).
     """
 
     block_hashes: tuple[Hashable, ...]
@@ -37,15 +38,17 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     namespace: Hashable = None
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     """Blocks that left a cache (evicted, or dropped for another copy). The hashes alone name them within
-    their cache; ``namespace`` is the one they were stored under."""
+    their cache; ``namespace`` is the one they were stored under, ``medium`` the tier they left."""
 
     block_hashes: tuple[Hashable, ...]
     namespace: Hashable = None
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)

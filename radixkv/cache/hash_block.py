@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.base import Evicted, LockError, MatchResult, TokenSeq, all_unique, as_token_array
 from radixkv.cache.block import Block, BlockChain
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
@@ -297,12 +297,13 @@ class HashBlockCache:
                 block.last_access = now
             self._queue.push_reversed(released)
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None) -> np.ndarray:
         """Free unlocked blocks in policy order, children first, until ``num_tokens`` are freed or none is left.
 
         Returns the freed slots (int64); the caller gives them back to its
         allocator. A parent becomes a candidate in the same call once its last
-        cached child is gone. O(k) for k blocks with lru, O(k log n) otherwise.
+        cached child is gone. ``victims``, when given, gets an ``Evicted`` per block, in order (its whole
+        chain). O(k) for k blocks with lru, O(k log n) otherwise (+ O(depth) each with ``victims``).
         """
         freed, count = [], 0
         blocks, queue = self._blocks, self._queue
@@ -313,6 +314,8 @@ class HashBlockCache:
                 break
             if self.listener is not None:
                 self.listener(BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
+            if victims is not None:
+                victims.append(self._evicted(block, namespaces))
             block.cached = False
             del blocks[block.key]
             freed.append(block.slots)
@@ -337,6 +340,15 @@ class HashBlockCache:
         for key in path:
             known[key] = namespace
         return namespace
+
+    def _evicted(self, block: Block, known: dict[BlockKey, Hashable]) -> Evicted:
+        """Block's whole chain (still cached) as an ``Evicted``. O(depth)."""
+        chain = [block]
+        while chain[-1].parent_key in self._blocks:
+            chain.append(self._blocks[chain[-1].parent_key])
+        chain.reverse()
+        tokens = np.frombuffer(b"".join(b.tokens for b in chain), dtype=LE_INT64).astype(np.int64)
+        return Evicted(self._namespace_of(block, known), tokens, np.concatenate([b.slots for b in chain]))
 
     def _own(self, node: object, verb: str) -> tuple[Block, ...]:
         """The handle's blocks, or ``LockError`` for a handle of another cache or with an evicted block."""

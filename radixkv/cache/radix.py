@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.base import Evicted, LockError, MatchResult, TokenSeq, all_unique, as_token_array
 from radixkv.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -214,9 +214,7 @@ class RadixCache:
 
     def namespace_of(self, node: RadixNode) -> Hashable:
         """The namespace whose tree ``node`` (one in the tree now) hangs from; a root's own. O(depth)."""
-        while node.parent is not None:
-            node = node.parent
-        return self._namespace_of[id(node)]
+        return self._namespace_of[id(node.path()[1])]
 
     # ----------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
@@ -353,13 +351,14 @@ class RadixCache:
         if leaf.lock_count == 0 and not leaf.children:
             self._push(leaf)
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None) -> np.ndarray:
         """Remove unlocked leaves in policy order until ``num_tokens`` are freed.
 
         Stops early without error when nothing is evictable. Returns the freed
         slot indices (int64); the caller gives them back to its allocator.
-        O(k log N) for k removed leaves (plus stale heap entries skipped,
-        amortized against the pushes that made them).
+        ``victims``, when given, gets an ``Evicted`` per removed leaf, in order (a tiered cache writes them
+        back). O(k log N) for k removed leaves (plus stale heap entries skipped,
+        amortized against the pushes that made them; + O(depth + path tokens) each with ``victims``).
         """
         heap, pb = self._heap, self._page_bytes
         freed: list[np.ndarray] = []
@@ -372,6 +371,8 @@ class RadixCache:
             parent = node.parent
             if self.listener is not None:
                 self._removed(node)  # while it still hangs from its path
+            if victims is not None:
+                victims.append(self._evicted(node))
             del parent.children[node.key[:pb]]
             node.parent = None
             freed.append(node.value)
@@ -383,6 +384,11 @@ class RadixCache:
                 self._drop_root(parent)
         self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
+
+    def _evicted(self, leaf: RadixNode) -> Evicted:  # its whole prefix, still in the tree: O(depth + tokens)
+        path, root = leaf.path()
+        tokens = np.frombuffer(b"".join(n.key for n in path), dtype=np.int64)
+        return Evicted(self._namespace_of[id(root)], tokens, np.concatenate([n.value for n in path]))
 
     def _drop_root(self, root: RadixNode) -> None:  # a namespace that holds nothing: O(1)
         del self._roots[self._namespace_of.pop(id(root))]

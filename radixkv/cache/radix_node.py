@@ -56,6 +56,14 @@ class RadixNode:
         more = "..." if len(toks) > 8 else ""
         return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_count})"
 
+    def path(self) -> tuple[list[RadixNode], RadixNode]:
+        """The nodes from the root's child down to this one, and the root. O(depth)."""
+        path, node = [], self
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return path[::-1], node
+
     def to_dict(self) -> dict[str, Any]:
         """This node's subtree as nested dicts, one per node (the layout of :func:`radixkv.cache.render.entry_dict`).
         O(subtree nodes + tokens)."""

@@ -20,7 +20,8 @@ class KVPool:
     Size it from a slot count or from a byte budget (``max_bytes``: the
     largest whole number of pages whose K and V for every layer fit). All
     layers' K and V are views of one buffer, which ``reallocate`` can move
-    (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages).
+    (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages). ``pin_memory``: page-locked host memory
+    (a host tier beside a CUDA pool: loads from it copy without blocking the CPU).
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class KVPool:
         page_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pin_memory: bool = False,
     ):
         if (num_slots is None) == (max_bytes is None):
             raise ValueError("give exactly one of num_slots and max_bytes")
@@ -49,7 +51,7 @@ class KVPool:
         if self.num_pages < 1:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
         # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device))
+        self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
 
     @property
     def buffer_shape(self) -> tuple[int, ...]:
@@ -96,6 +98,15 @@ class KVPool:
                              f"the pool's [*, {self.num_kv_heads}, {self.head_dim}]")
         self.k[layer].index_copy_(0, idx, k.to(self.dtype))
         self.v[layer].index_copy_(0, idx, v.to(self.dtype))
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V of ``slots`` (int64 on this pool's device): ``[layers, 2, len(slots), kv_heads,
+        head_dim]``, a copy."""
+        return self._kv.index_select(2, slots)
+
+    def scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write ``kv`` (as ``gather`` returns it) into ``slots`` of every layer."""
+        self._kv.index_copy_(2, slots, kv)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as ``[num_pages, page_size, num_kv_heads, head_dim]`` views (NHD)."""

@@ -12,6 +12,10 @@ How it decides, per request of n tokens:
    the sum of work and this request's uncached tokens is least (``balance``), and a request that hits
    nowhere does the same (``new``).
 
+With ``host_capacity_tokens`` (the replicas' host tier) the router also believes a second tree per replica
+trimmed to device + host capacity: a prompt's prefix beyond m_r found there counts ``host_weight`` times
+(it is loaded, not computed), so m_r = device prefix + host_weight x (host prefix - device prefix).
+
 Keeping cumulative work within the slack of the mean bounds the computed-token imbalance the cluster
 reports; sending a miss to the replica with least work spreads conversations so that each replica's cache
 sees about 1/N of them, which is how N separate caches approach one pooled cache. The decisions depend
@@ -36,20 +40,25 @@ class Affinity:
 
     name = "affinity"
 
-    def __init__(self, capacity_tokens: int | None = None, slack: float = 0.05):
+    def __init__(self, capacity_tokens: int | None = None, slack: float = 0.05, host_capacity_tokens: int = 0,
+                 host_weight: float = 0.5):
         self.capacity_tokens = None if capacity_tokens is None else checked_number(
             capacity_tokens, "capacity_tokens", 1, integer=True)
         self.slack = checked_number(slack, "slack")
+        self.host_capacity_tokens = checked_number(host_capacity_tokens, "host_capacity_tokens", integer=True)
+        self.host_weight = checked_number(host_weight, "host_weight")
         self.counts: Counter = Counter()
         self._trees = ReplicaTrees(0, self.capacity_tokens)
+        # device + host: meaningful only where the device trees forget (a capacity)
+        self._host_trees = ReplicaTrees(0, self.capacity_tokens + self.host_capacity_tokens) \
+            if self.host_capacity_tokens and self.capacity_tokens else None
         self._work: list[float] = []
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = [r.index for r in alive(replicas)]
-        self._trees.grow(len(replicas))
         self._work += [0.0] * (len(replicas) - len(self._work))
-        matched = self._trees.match(tokens, namespace)
+        matched = self._matched(tokens, namespace, len(replicas))
         n, work = len(tokens), self._work
         home = max(up, key=lambda i: (matched[i], -work[i], -i))
         mean_after = (sum(work[i] for i in up) + n - matched[home]) / len(up)
@@ -59,10 +68,25 @@ class Affinity:
             choice = min(up, key=lambda i: (work[i] + n - matched[i], i))
             why = "balance" if matched[home] else "new"
         work[choice] += n - matched[choice]
-        self._trees.insert(choice, tokens, namespace)
+        self._insert(choice, tokens, namespace)
         self.counts[why] += 1
         return choice
 
+    def _matched(self, tokens: np.ndarray, namespace: Hashable, replicas: int) -> list[float]:
+        """Each replica's believed prefix of ``tokens``, host-tier tokens weighted by ``host_weight``."""
+        self._trees.grow(replicas)
+        device = self._trees.match(tokens, namespace)
+        if self._host_trees is None:
+            return device
+        self._host_trees.grow(replicas)
+        both = self._host_trees.match(tokens, namespace)
+        return [d + self.host_weight * max(0, h - d) for d, h in zip(device, both, strict=True)]
+
+    def _insert(self, replica: int, tokens: np.ndarray, namespace: Hashable) -> None:
+        self._trees.insert(replica, tokens, namespace)
+        if self._host_trees is not None:
+            self._host_trees.insert(replica, tokens, namespace)
+
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         if len(tokens) and replica < len(self._trees):
-            self._trees.insert(replica, tokens, namespace)
+            self._insert(replica, tokens, namespace)

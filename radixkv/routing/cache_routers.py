@@ -84,18 +84,24 @@ class KVEvents:
     prompt) / block_size. Active tokens: what the router sent there and is not finished (prompt + tokens to
     generate). ``temperature`` 0 picks the cheapest replica (ties: lowest index); above 0 it samples from a
     softmax of the negated costs, normalized by the largest, with a generator seeded by ``seed``.
+
+    Replicas with a host tier publish its blocks too (events with ``medium="CPU"``, in a second index): a
+    prompt's host overlap beyond its device overlap counts ``host_overlap_weight`` times a device block
+    (loading it is cheaper than computing it, dearer than finding it on the device).
     """
 
     name = "kv_events"
 
     def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
-                 event_delay: float = 0.0, seed: int = 0):
+                 event_delay: float = 0.0, seed: int = 0, host_overlap_weight: float = 0.5):
         self.block_size = checked_number(block_size, "block_size", 1, integer=True)
+        self.host_overlap_weight = checked_number(host_overlap_weight, "host_overlap_weight")
         self.overlap_score_weight = checked_number(overlap_score_weight, "overlap_score_weight")
         self.temperature = checked_number(temperature, "temperature")
         self.event_delay = checked_number(event_delay, "event_delay")
         self.seed = checked_number(seed, "seed", integer=True)
         self.index = KVEventIndex(block_size)
+        self.host_index = KVEventIndex(block_size)  # the host tiers' blocks
         self.counts: Counter = Counter()
         self._rng = np.random.default_rng(seed)
         self._pending: list[tuple[float, int, int, Any]] = []  # (due, order, replica, event)
@@ -109,9 +115,15 @@ class KVEvents:
               now: float = 0.0) -> int:
         while self._pending and self._pending[0][0] <= now:
             _, _, replica, event = heapq.heappop(self._pending)
-            self.index.apply(replica, event)
+            medium = getattr(event, "medium", None)  # AllBlocksCleared names none: a reset empties both
+            for index in ((self.index,) if medium == "GPU" else (self.host_index,) if medium else
+                          (self.index, self.host_index)):
+                index.apply(replica, event)
         up = alive(replicas)
         overlap = self.index.match(tokens, namespace)
+        host = self.host_index.match(tokens, namespace) if self.host_index.replicas else {}
+        for r, m in host.items():
+            overlap[r] = overlap.get(r, 0) + self.host_overlap_weight * max(0, m - overlap.get(r, 0))
         n, b = len(tokens), self.block_size
         cost = np.array([self.overlap_score_weight * (r.outstanding_tokens + n - overlap.get(r.index, 0)) / b
                          + (r.outstanding_tokens + n) / b for r in up])

@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import PrefixCache, match_for_prefill
+from radixkv.cache.base import MatchResult, PrefixCache, match_for_prefill
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
+from radixkv.cache.tiered import TieredCache
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
 
@@ -80,6 +81,7 @@ class RequestState:
     cached: int = 0
     computed: int = 0
     hit: int = -1
+    hit_by_tier: dict[str, int] = field(default_factory=dict)  # ``hit`` by the tier it came from
     finished: bool = False  # its output is out: ``recover`` drops it instead of queueing it again
 
     @property
@@ -119,6 +121,7 @@ class Scheduler:
         self.newly_admitted: list[RequestState] = []  # by the last ``schedule``
         self.stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "prefill_tokens", "decode_tokens",
                                     "evicted_tokens", "evictions", "preemptions"), 0)
+        self.hit_by_tier: dict[str, int] = {}  # ``cached_tokens`` by tier (a ``TieredCache``'s lower tiers)
 
     def add(self, state: RequestState) -> None:
         """Queue a request (it waits behind the others)."""
@@ -280,6 +283,9 @@ class Scheduler:
         cache's match."""
         m = match_for_prefill(self.cache, s.prompt, s.namespace)  # again: earlier admissions may have evicted
         self.cache.lock(m.node)
+        tiers = {"device": m.length}
+        if isinstance(self.cache, TieredCache):
+            m, tiers = self._load(s, m, budget)
         s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
         if lend is not None and lend[1] > m.length:
             lender, length = lend
@@ -295,9 +301,34 @@ class Scheduler:
         self.newly_admitted.append(s)
         if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
             s.hit = s.cached
+            lent = s.cached - sum(tiers.values())  # tokens read from a lender of this step count as the device's
+            s.hit_by_tier = {**tiers, "device": tiers["device"] + lent}
             self.stats["prompt_tokens"] += len(s.prompt)
             self.stats["cached_tokens"] += s.cached
+            for tier, n_hit in s.hit_by_tier.items():
+                self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n_hit
         return n
+
+    def _load(self, s: RequestState, m: MatchResult, budget: float) -> tuple[MatchResult, dict[str, int]]:
+        """Extend ``m`` (locked) from a tiered cache's lower tiers into fresh device slots, evicting as usual:
+        the match to use and its tokens per tier. Only when the admission's own slots (its first chunk, or its
+        whole KV) fit too: a request that is not admitted loads nothing (``m`` alone is returned)."""
+        plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace)
+        if not plan.length:
+            return m, {"device": m.length}
+        cached, page = m.length + plan.length, self.allocator.page_size
+        if self.whole_kv is not None:
+            rest = self.whole_kv(s) - cached
+        else:  # its first chunk
+            rest = int(min(len(s.prompt) - cached, self.chunk, budget))
+        need = plan.length + math.ceil(rest / page) * page  # the chunk starts on a fresh page after the load
+        if self.allocator.num_free < need:
+            self._evict(need - self.allocator.num_free)
+        if self.allocator.num_free < need:
+            self.cache.cancel(plan)
+            return m, {"device": m.length}
+        by_tier = plan.by_tier()
+        return self.cache.load(plan, self.allocator.alloc(plan.length)), by_tier
 
     # ---------------------------------------------------------------- memory
     def _room(self, s: RequestState) -> int:
@@ -315,14 +346,17 @@ class Scheduler:
         """
         need = n - min(self._room(s), n)
         if self.allocator.num_free < need:
-            freed = self.cache.evict(need - self.allocator.num_free)
-            self.allocator.free(freed)
-            self.stats["evicted_tokens"] += len(freed)
-            self.stats["evictions"] += bool(len(freed))
+            self._evict(need - self.allocator.num_free)
         if self.allocator.num_free < need:
             return False
         self._extend(s, n)
         return True
+
+    def _evict(self, n: int) -> None:
+        freed = self.cache.evict(n)
+        self.allocator.free(freed)
+        self.stats["evicted_tokens"] += len(freed)
+        self.stats["evictions"] += bool(len(freed))
 
     def _grow(self, s: RequestState, n: int, batch: Batch) -> bool:
         """``n`` more slots for a running request (none when reserved whole), preempting the newest others

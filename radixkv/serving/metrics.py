@@ -4,8 +4,11 @@ built for vLLM carry over. Every series is labelled with ``model_name`` and ``pr
 
 Token counters count tokens: ``prefix_cache_queries_total`` the prompt tokens looked up at admission,
 ``prefix_cache_hits_total`` those found cached (vLLM's meaning), ``prompt_tokens_total`` and
-``generation_tokens_total``. Each server gets its own registry (several can run in one process, as the
-tests do).
+``generation_tokens_total``. With a host tier (``--host-kv-cache-tokens``) the hits split by tier:
+``prefix_cache_hits_by_tier_total{tier="device"|"host"}``, and vLLM's names for what lies beyond the device
+tier, ``external_prefix_cache_queries_total`` (prompt tokens the device tier did not hold, looked up below
+it) and ``external_prefix_cache_hits_total`` (those the host tier had, loaded). Each server gets its own
+registry (several can run in one process, as the tests do).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ SERIES = (  # attribute, kind, name, help
     ("generation_tokens", "counter", "generation_tokens", "Tokens generated."),
     ("preemptions", "counter", "num_preemptions", "Requests preempted (their KV freed, recomputed later)."),
     ("evicted_tokens", "counter", "evicted_tokens", "KV slots the prefix cache gave up under memory pressure."),
+    ("external_queries", "counter", "external_prefix_cache_queries",
+     "Prompt tokens the device tier did not hold, looked up in the lower tiers at admission."),
+    ("external_hits", "counter", "external_prefix_cache_hits", "Prompt tokens found in the lower tiers (loaded)."),
     ("requests", "counter", "request_success", "Requests finished (any finish reason)."),
     ("running", "gauge", "num_requests_running", "Requests running in the engine."),
     ("waiting", "gauge", "num_requests_waiting", "Requests waiting to be admitted."),
@@ -32,13 +38,21 @@ SERIES = (  # attribute, kind, name, help
     ("e2e", "histogram", "e2e_request_latency_seconds", "Seconds from arrival to the last token."),
 )
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+TIERS = ("device", "host")
+ENGINE_COUNTERS = ("preemptions", "evicted_tokens", "external_queries", "external_hits",
+                   *(f"hits_{tier}" for tier in TIERS))  # read from the engine at scrape time
 
 
 def engine_gauges(llm) -> dict:
     """What the gauges and the engine's own counters read, taken on the engine's thread."""
     stats = llm.stats()
     free = llm.allocator.num_free + llm.cache.evictable_size  # as vLLM: cached blocks no request holds are free
+    by_tier = stats["hit_tokens_by_tier"]
+    tiered = bool(getattr(llm.cache, "tiers", ()))
     return {"preemptions": stats["preemptions"], "evicted_tokens": stats["evicted_tokens"],
+            "external_queries": stats["prompt_tokens"] - by_tier["device"] if tiered else 0,
+            "external_hits": stats["cached_tokens"] - by_tier["device"],
+            **{f"hits_{tier}": by_tier[tier] for tier in TIERS},
             "running": len(llm.running), "waiting": len(llm.waiting),
             "kv_usage": 1 - free / llm.allocator.capacity if llm.allocator.capacity else 0.0}
 
@@ -48,12 +62,16 @@ class Series:
 
     def __init__(self, families: dict, labels: dict):
         for attr, family in families.items():
-            setattr(self, attr, family.labels(**labels))
-        self._last = {"preemptions": 0, "evicted_tokens": 0}
+            if attr == "tier_hits":
+                for tier in TIERS:
+                    setattr(self, f"hits_{tier}", family.labels(**labels, tier=tier))
+            else:
+                setattr(self, attr, family.labels(**labels))
+        self._last = dict.fromkeys(ENGINE_COUNTERS, 0)
 
     def update(self, gauges: dict) -> None:
         """Gauges and the engine's counters from ``engine_gauges``."""
-        for name in ("preemptions", "evicted_tokens"):
+        for name in ENGINE_COUNTERS:
             getattr(self, name).inc(max(0, gauges[name] - self._last[name]))
             self._last[name] = gauges[name]
         for name in ("running", "waiting", "kv_usage"):
@@ -75,6 +93,9 @@ class ServerMetrics:
         families = {attr: KINDS[kind](f"radixkv:{name}", doc, names, registry=self.registry,
                                       **({"buckets": LATENCY_BUCKETS} if kind == "histogram" else {}))
                     for attr, kind, name, doc in SERIES}
+        families["tier_hits"] = Counter("radixkv:prefix_cache_hits_by_tier", "Prompt tokens found cached at "
+                                        "admission, by the tier they came from.", [*names, "tier"],
+                                        registry=self.registry)
         if replicas:
             families["up"] = Gauge("radixkv:replica_up", "1 while the replica serves, 0 once it died.", names,
                                    registry=self.registry)

@@ -25,6 +25,7 @@ import numpy as np
 from radixkv.bounds import upper_bound
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.belady import FutureUses
+from radixkv.cache.tiered import Tier
 from radixkv.checks import is_int
 from radixkv.routing import RoundRobin, Router, fit_router
 from radixkv.routing.base import EventRouter, LoadTracker
@@ -39,7 +40,7 @@ from radixkv.sim.replica import (
     request_list,
     whole_kv,
 )
-from radixkv.stack import SIMULATOR_DEFAULTS, Stack, StackConfig, build_stack, check_idle, settings_from
+from radixkv.stack import SIMULATOR_DEFAULTS, Stack, StackConfig, build_stack, check_idle, lower_tier, settings_from
 from radixkv.workloads.request import Request
 
 
@@ -71,6 +72,15 @@ class ClusterResult:
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens of the served requests, over all replicas."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """``hit_rate`` split by the tier each hit token came from, over all replicas; sums to it."""
+        hits: Counter = Counter()
+        for r in self.replicas:
+            hits.update(r.hit_tokens_by_tier)
+        n = self.prompt_tokens
+        return {tier: h / n if n else 0.0 for tier, h in hits.items()}
 
     @property
     def computed_tokens(self) -> list[int]:
@@ -113,7 +123,8 @@ class ClusterResult:
                "computed_tokens": self.computed_tokens, "imbalance": self.imbalance,
                "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
                "throughput": self.throughput, "makespan": self.makespan,
-               "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts)}
+               "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts),
+               "hit_rate_by_tier": self.hit_rate_by_tier}
         for name, value in self.references.items():
             out[name] = value
             out[f"share_of_{name}"] = self.hit_rate / value if value else 0.0
@@ -137,9 +148,11 @@ def sim_config(config: StackConfig | None, settings: dict[str, Any]) -> tuple[St
 
 
 def build_replica(requests: Sequence[Request], config: StackConfig, preemption: bool,
-                  cache: PrefixCache | None = None) -> tuple[Stack, dict]:
+                  cache: PrefixCache | None = None, cost: CostModel | None = None,
+                  storage: Tier | None = None) -> tuple[Stack, dict]:
     """One simulated engine's cache, allocator and scheduler (``build_stack``) and the config that names it.
-    Unlimited capacity makes room for every token of every request, so nothing is ever evicted."""
+    Unlimited capacity makes room for every token of every request, so nothing is ever evicted. Tiers load
+    where ``cost`` says it beats recomputing; ``storage``: a store the replicas share."""
     page = cache.page_size if cache is not None else config.kv_page_size
     slots = config.capacity_tokens
     if slots is None:
@@ -148,7 +161,8 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     if cache is None and config.eviction_policy == "belady":  # the clairvoyant reference knows every arrival
         options["future"] = FutureUses([(cacheable_prompt(r.prompt), r.namespace) for r in requests],
                                        config.page_size)
-    stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, **options)
+    stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
+                        worth_loading=(cost or CostModel()).worth_loading, **options)
     named = type(cache).__name__ if cache is not None else config.prefix_cache
     sharing = getattr(stack.scheduler.policy, "threshold", None)  # what the builder applied (none: no sharing)
     return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
@@ -198,8 +212,10 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
                          f"policy (belady is a reference, see cluster_references), got {settings.get('cache')!r}, "
                          f"{config.eviction_policy!r}")
     route = fit_router(router, config.kv_page_size, router_params)
-    built = [build_replica(requests, config, preemption) for _ in range(replicas)]
     cost = cost_model or CostModel()
+    store = lower_tier(config, "storage", config.storage_capacity_tokens, shared=True) \
+        if config.storage_capacity_tokens else None  # one store every replica reads and writes
+    built = [build_replica(requests, config, preemption, cost=cost, storage=store) for _ in range(replicas)]
     result = run_cluster(requests, [stack for stack, _ in built], route, cost)
     result.config = {**built[0][1], "replicas": replicas, "router": route.name, "router_params": _params(route),
                      "cost_model": asdict(cost), "requests": len(requests)}
@@ -213,14 +229,16 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
                        **settings: Any) -> dict[str, float]:
     """Hit rates no routing of N caches of ``capacity_tokens`` (or ``config``'s) can beat: the workload's upper
     bound, and one pooled cache of N x the capacity with N x the compute (a cost model N times faster, N x
-    ``max_running``), under LRU and (radix only, ``belady=True``) Belady's clairvoyant eviction."""
+    ``max_running``), under LRU and (radix only, ``belady=True``) Belady's clairvoyant eviction. With host or
+    storage tiers the pooled cache is one tier holding all of their memory (``pooled_tokens``)."""
     if capacity_tokens is not None:
         settings["capacity_tokens"] = capacity_tokens
     config, _ = sim_config(config, settings)
     cost = cost_model or CostModel()
     pooled = settings_from(config, max_running=config.max_running * replicas, capacity_tokens=None
-                           if config.capacity_tokens is None else config.capacity_tokens * replicas)
-    faster = CostModel(**{k: v / replicas for k, v in asdict(cost).items()})
+                           if config.capacity_tokens is None else pooled_tokens(config, replicas),
+                           host_capacity_tokens=None, storage_capacity_tokens=None)
+    faster = cost.scaled(replicas)
     requests = checked_requests(requests, False)
     out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size),
            "pooled_lru": simulate_on(requests, settings_from(pooled, eviction_policy="lru"), faster).hit_rate}
@@ -229,11 +247,18 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
     return out
 
 
+def pooled_tokens(config: StackConfig, replicas: int) -> int:
+    """Every tier's memory of ``replicas`` replicas as one single-tier cache: N x (device + host) + the storage
+    they share (a tiered cluster's references pool all of it, so no routing or tiering can beat them)."""
+    return replicas * (config.capacity_tokens + (config.host_capacity_tokens or 0)) + (
+        config.storage_capacity_tokens or 0)
+
+
 def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, preemption: bool = False,
                 cache: PrefixCache | None = None) -> SimResult:
     """``simulate`` on checked requests and a built config: a cluster of one replica (behind round robin, which
     has only replica 0 to choose)."""
-    stack, named = build_replica(requests, config, preemption, cache)
+    stack, named = build_replica(requests, config, preemption, cache, cost)
     result = run_cluster(requests, [stack], RoundRobin(), cost).replicas[0]  # one replica: always 0
     result.config = {**named, "cost_model": asdict(cost), "requests": len(requests)}
     return result

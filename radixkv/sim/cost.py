@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,10 @@ class StepRecord:
 
 
 
+# The constants in seconds, those ``CostModel.fit`` calibrates (the others are bytes and bandwidths).
+TIME_CONSTANTS = ("prefill_per_token", "attention_per_pair", "decode_step", "decode_per_seq", "step_overhead")
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per engine step, from a few named constants.
@@ -57,6 +61,17 @@ class CostModel:
         decode_step: fixed seconds per decode step (weights streamed once).
         decode_per_seq: extra seconds per sequence in the decode batch.
         step_overhead: fixed seconds per engine step (scheduling, launch).
+        kv_bytes_per_token: bytes of one token's K and V over all layers (SmolLM2-135M in bfloat16:
+            2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040).
+        host_bandwidth: bytes per second from the host tier into the device's KV (PCIe on a GPU).
+        storage_bandwidth: bytes per second from the storage tier into the device's KV.
+        load_overlap: the share of a step's loads hidden under its compute, 0 (loads first, then the
+            forward) to 1 (layer by layer: layer i computes while layer i + 1 loads, the step takes the
+            longer of the two).
+
+    A load is taken only where it beats recomputing (``worth_loading``, Mooncake's condition). Writes down
+    the tiers run beside the forward (a side stream) and cost no step time. ``COST_PRESETS`` holds GPU
+    classes with their derivation.
     """
 
     prefill_per_token: float = 3.5e-4
@@ -64,11 +79,17 @@ class CostModel:
     decode_step: float = 0.013
     decode_per_seq: float = 0.002
     step_overhead: float = 0.0005
+    kv_bytes_per_token: float = 23040.0
+    host_bandwidth: float = 5e9
+    storage_bandwidth: float = 1e9
+    load_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in asdict(self).items() if not (is_real(v) and v >= 0)}
         if bad:
             raise ValueError(f"CostModel constants must be finite numbers >= 0 (seconds), got {bad}")
+        if self.load_overlap > 1 or not (self.host_bandwidth > 0 and self.storage_bandwidth > 0):
+            raise ValueError("CostModel: load_overlap must be in [0, 1] and the bandwidths > 0")
 
     @classmethod
     def from_dict(cls, values: object) -> CostModel:
@@ -77,6 +98,32 @@ class CostModel:
         if not isinstance(values, dict) or set(values) - names:
             raise ValueError(f"a cost model is a JSON object with keys among {sorted(names)}, got {values!r}")
         return cls(**values)
+
+    @classmethod
+    def preset(cls, name: str) -> CostModel:
+        """A named cost model from ``COST_PRESETS``; ``ValueError`` naming the presets otherwise."""
+        if name not in COST_PRESETS:
+            raise ValueError(f"unknown cost model preset {name!r}; choose one of {sorted(COST_PRESETS)}")
+        return COST_PRESETS[name]
+
+    def scaled(self, replicas: int) -> CostModel:
+        """The cost of ``replicas`` such engines pooled into one: N x the compute and N x the load bandwidth."""
+        return replace(self, **{k: getattr(self, k) / replicas for k in TIME_CONSTANTS},
+                       host_bandwidth=self.host_bandwidth * replicas,
+                       storage_bandwidth=self.storage_bandwidth * replicas)
+
+    def load_time(self, tier: str, tokens: int) -> float:
+        """Seconds to load ``tokens`` tokens' KV from ``tier`` (``host`` or ``storage``) into the device."""
+        bandwidth = self.host_bandwidth if tier == "host" else self.storage_bandwidth
+        return tokens * self.kv_bytes_per_token / bandwidth
+
+    def worth_loading(self, tier: str, tokens: int, prefix_len: int) -> bool:
+        """Whether loading ``tokens`` from ``tier`` after ``prefix_len`` cached ones beats computing them."""
+        return self.load_time(tier, tokens) < self.prefill_time(tokens, prefix_len)
+
+    def with_loads(self, compute: float, loads: float) -> float:
+        """A step's seconds from its compute and its loads' (``load_overlap`` of the shorter hidden)."""
+        return compute + loads - self.load_overlap * min(compute, loads)
 
     def prefill_time(self, new_tokens: int, prefix_len: int) -> float:
         return self.prefill_per_token * new_tokens + self.attention_per_pair * causal_pairs(new_tokens, prefix_len)
@@ -122,3 +169,35 @@ class CostModel:
         c = [float(v) for v in coef]
         return cls(prefill_per_token=c[0], attention_per_pair=c[1], decode_step=c[2], decode_per_seq=c[3],
                    step_overhead=c[4])
+
+
+def _gpu_preset(params: float, layers: int, hidden: int, kv_heads: int, gpus: int, tflops: float, hbm_tbs: float,
+                pcie_gbs: float, storage_gbs: float) -> CostModel:
+    """A cost model for a Llama of ``params`` parameters in bfloat16 on ``gpus`` GPUs (tensor parallel), from
+    datasheet peaks at the utilization serving engines reach (50% of the dense bfloat16 FLOPs in prefill,
+    70% of the HBM bandwidth in decode):
+
+    * prefill: 2 x params FLOPs per token; attention: 4 x layers x hidden FLOPs per (query, key) pair;
+    * decode step: the weights (2 bytes each) streamed once; per sequence: its KV read for a context of
+      8,192 tokens (the trace's mean prompt is about that order);
+    * KV bytes per token: 2 (K, V) x layers x KV heads x 128 x 2 bytes;
+    * host bandwidth: PCIe at ``pcie_gbs`` GB/s per GPU; storage: ``storage_gbs`` GB/s per node (RDMA).
+    """
+    flops, hbm = 0.5 * tflops * 1e12 * gpus, 0.7 * hbm_tbs * 1e12 * gpus
+    kv = 2 * layers * kv_heads * 128 * 2
+    return CostModel(prefill_per_token=2 * params / flops, attention_per_pair=4 * layers * hidden / flops,
+                     decode_step=2 * params / hbm, decode_per_seq=8192 * kv / hbm, step_overhead=0.002,
+                     kv_bytes_per_token=float(kv), host_bandwidth=pcie_gbs * 1e9 * gpus,
+                     storage_bandwidth=storage_gbs * 1e9)
+
+
+# Datasheet figures: H100 SXM 989 dense bf16 TFLOPS, 3.35 TB/s HBM3; H200 the same FLOPs, 4.8 TB/s HBM3e;
+# both PCIe Gen5 x16 (about 50 GB/s achieved of 64). Storage: one 400 Gb/s RDMA link (50 GB/s), the
+# order of Mooncake store's per-node transfer engine; the engine's CPU preset is ``CostModel()``.
+COST_PRESETS: dict[str, CostModel] = {
+    "cpu-smollm2-135m": CostModel(),
+    "llama3-8b-h100": _gpu_preset(8.0e9, 32, 4096, 8, 1, 989, 3.35, 50, 50),
+    "llama3-8b-h200": _gpu_preset(8.0e9, 32, 4096, 8, 1, 989, 4.8, 50, 50),
+    "llama3-70b-8xh100": _gpu_preset(70.6e9, 80, 8192, 8, 8, 989, 3.35, 50, 50),
+    "llama3-70b-8xh200": _gpu_preset(70.6e9, 80, 8192, 8, 8, 989, 4.8, 50, 50),
+}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.cache.belady import BeladyRadixCache
+from radixkv.cache.tiered import TieredCache
 from radixkv.scheduling import RequestState, Scheduler, causal_pairs
 from radixkv.sim.cost import CostModel
 from radixkv.workloads.request import Request
@@ -39,6 +40,8 @@ class SimResult:
     preemptions: int = 0
     rejected: int = 0
     makespan: float = 0.0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    load_seconds: float = 0.0
     config: dict = field(default_factory=dict)
     per_request: list[dict] = field(default_factory=list)
     steps: list[tuple[int, float, int, int]] = field(default_factory=list)
@@ -47,6 +50,12 @@ class SimResult:
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens of the served requests."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """``hit_rate`` split by the tier each hit token came from (device, host, storage); sums to it."""
+        n = self.prompt_tokens
+        return {tier: hits / n if n else 0.0 for tier, hits in self.hit_tokens_by_tier.items()}
 
     def ttfts(self) -> np.ndarray:
         return np.array([r["ttft"] for r in self.per_request if not r["rejected"]])
@@ -60,6 +69,7 @@ class SimResult:
             "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
             "computed_tokens": self.computed_tokens, "evicted_tokens": self.evicted_tokens,
             "preemptions": self.preemptions, "rejected": self.rejected, "makespan": self.makespan, **stats,
+            "hit_rate_by_tier": self.hit_rate_by_tier, "load_seconds": self.load_seconds,
         }
 
 
@@ -149,6 +159,7 @@ class Replica:
         self.result = SimResult()
         self.now = 0.0
         self.future = self.cache.future if isinstance(self.cache, BeladyRadixCache) else None
+        self.tiered = isinstance(self.cache, TieredCache)
 
     @property
     def busy(self) -> bool:
@@ -178,12 +189,15 @@ class Replica:
         n = len(req.prompt)
         self.result.per_request.append({
             "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,
+            "hit_by_tier": dict(run.hit_by_tier),
             "computed": n - run.hit, "output_len": req.output_len, "ready": run.ready, "admitted": run.admitted,
             "first_token": run.first_token, "finish": self.now, "ttft": run.first_token - run.ready,
             "latency": self.now - run.ready, **req.meta,
         })
         self.result.prompt_tokens += n
         self.result.hit_tokens += run.hit
+        for tier, hits in run.hit_by_tier.items():
+            self.result.hit_tokens_by_tier[tier] = self.result.hit_tokens_by_tier.get(tier, 0) + hits
         self.result.computed_tokens += n - run.hit
         self.feed.release(req.rid, self.now)
         if self.on_finish is not None:
@@ -210,6 +224,10 @@ class Replica:
         tokens = sum(n for _, n in chunks)
         pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
+        if self.tiered:  # this step's loads (writes run beside the forward)
+            loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == "device")
+            self.result.load_seconds += loads
+            dt = self.cost.with_loads(dt, loads)
         strides = 1
         if not chunks and len(decoding) == len(self.scheduler.running):  # decodes only
             strides = self._strides(decoding, dt)

@@ -1,0 +1,375 @@
+"""A hierarchical prefix cache (SGLang's HiCache, vLLM's KV offloading): the device tier the model attends
+from, and lower tiers (host memory, shared storage) that keep KV the device tier had to drop.
+
+Each tier is a prefix cache of the same kind and page over its own slots, with its own capacity (its
+``SlotAllocator``) and its own eviction order; the device tier is the cache the engine always had, so
+its locks protect the device copies as before. A prefix is in one of three states: on the device only,
+in a lower tier only, or on both. Lower tiers hold no locks but while a load reads them.
+
+Write policies (SGLang's names) decide when device KV is copied down:
+
+* ``write_through``: when it is inserted;
+* ``write_through_selective``: when an entry's hits reach ``write_threshold``, counting as SGLang does its
+  insertion as the first and each admission that reuses it as one more (once per admission, at
+  ``plan_load``, against the match's last entry: reuses, not lookups); 1 is ``write_through``;
+* ``write_back``: when the device tier evicts it (the whole prefix through the entry, ancestors the device
+  still holds included: a lower tier is a prefix tree too).
+
+Unlike SGLang's host tier, which never drops the copy of a prefix the device still holds, each lower tier
+runs its own LRU (refreshed whenever an admission or a write matches it): under ``write_through`` a copy
+the device also holds can be dropped, and the prefix is lost if the device evicts it later. The host tier
+is still inclusive in effect: under ``write_through`` it holds a copy of what the device holds, so a
+device of C tokens over a host of R x C keeps about what one tier of R x C keeps (docs/tiers.md).
+
+``match_prefix`` is the device tier's. ``plan_load`` then says how far the lower tiers extend a match
+(per tier, nearest first, each only where ``worth_loading`` says loading beats recomputing), and locks
+what it will read; ``load`` takes device slots the caller allocated (evicting as usual), copies the KV into
+them and inserts them into the device tier, moving the caller's lock; ``cancel`` gives a plan up.
+
+Copies (``Copy``) are recorded in order in ``copies`` (the simulator charges them: ``take_copies``) and,
+where a ``mover`` is given (the engine's real buffers), run at once: a load's before its slots join the
+device tier, a write's before its slots join the lower tier, so a copy that fails leaves nothing pointing
+at half-copied KV (``unlock_all`` then returns the lower tiers' orphaned slots, as ``Scheduler.recover``
+does the device's). Sources stay valid until the copy runs: a write-back reads slots ``evict`` just
+returned, which nothing reuses before the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from radixkv.cache.base import Evicted, MatchResult, PrefixCache, TokenSeq, as_token_array
+from radixkv.cache.events import CacheListener
+from radixkv.memory import SlotAllocator
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+MEDIUM = {"device": "GPU", "host": "CPU", "storage": "STORAGE"}  # vLLM's KV event ``medium`` per tier
+
+
+@dataclass(frozen=True)
+class Copy:
+    """KV to copy: ``src_slots[i]`` of tier ``src`` into ``dst_slots[i]`` of tier ``dst`` (int64 arrays)."""
+
+    src: str
+    dst: str
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.dst_slots)
+
+
+class Tier:
+    """One lower tier: ``name`` (``host``, ``storage``), a prefix cache over this tier's slots and their
+    allocator. ``shared``: one store several replicas' caches use (a cluster's storage)."""
+
+    def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False):
+        if allocator.page_size != cache.page_size:
+            raise ValueError(f"tier {name!r}: the allocator's page {allocator.page_size} is not the cache's "
+                             f"{cache.page_size}")
+        self.name, self.cache, self.allocator, self.shared = name, cache, allocator, shared
+
+    def store(self, tokens: np.ndarray, namespace: Hashable) -> tuple[np.ndarray, np.ndarray]:
+        """Make room for the whole pages of ``tokens`` this tier lacks, evicting its own entries: ``(held,
+        fresh)``, the slots of the leading tokens it holds and fresh slots for as many further whole pages as
+        fit (none when it holds them all). The caller copies, then ``keep``s them. O(tokens) + the eviction."""
+        n = self.cache.cacheable_length(len(tokens))
+        m = self.cache.match_prefix(tokens[:n], namespace)
+        if m.length >= n:
+            return m.indices, m.indices[:0]
+        self.cache.lock(m.node)  # the path the new pages hang from must survive the eviction
+        try:
+            short = n - m.length - self.allocator.num_free
+            if short > 0:
+                self.allocator.free(self.cache.evict(short))
+            page = self.allocator.page_size
+            fit = min(n - m.length, self.allocator.num_free // page * page)
+            return m.indices, self.allocator.alloc(fit) if fit else m.indices[:0]
+        finally:
+            self.cache.unlock(m.node)
+
+    def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable) -> None:
+        """Insert the leading tokens ``store`` answered for: those at ``held`` and then those at ``fresh``
+        (their KV copied); what the cache already had (nothing, unless another writer came first) is freed."""
+        start = len(held)
+        already = self.cache.insert(tokens[: start + len(fresh)], np.concatenate([held, fresh]), namespace)
+        self.allocator.free(fresh[: max(already - start, 0)])
+
+    def check_invariants(self) -> None:
+        """The tier's cache and allocator hold, and every slot is either free or the cache's, once."""
+        self.cache.check_invariants()
+        self.allocator.check_invariants()
+        held = self.allocator.num_free + self.cache.total_size
+        if held != self.allocator.capacity:
+            raise AssertionError(f"tier {self.name!r}: free + held = {held} != {self.allocator.capacity}")
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.allocator.reset()
+
+
+class Part(NamedTuple):
+    """Tokens ``[start, stop)`` of a plan, from ``tier``, whose (locked) match of the prompt is ``match``."""
+
+    tier: Tier
+    match: MatchResult
+    start: int
+    stop: int
+
+
+@dataclass
+class LoadPlan:
+    """What ``plan_load`` found: the device ``match`` and the ``parts`` lower tiers supply after it, nearest
+    tier first. ``length``: tokens to load (device slots to allocate)."""
+
+    tokens: np.ndarray
+    namespace: Hashable
+    match: MatchResult
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.parts[-1].stop - self.match.length if self.parts else 0
+
+    def by_tier(self) -> dict[str, int]:
+        """Hit tokens per tier: the device's match, then what each lower tier supplies."""
+        return {"device": self.match.length, **{p.tier.name: p.stop - p.start for p in self.parts}}
+
+
+class TieredCache:
+    """A device prefix cache (``RadixCache`` or ``HashBlockCache``) over lower ``tiers``; see the module doc.
+
+    Args:
+        device: the device tier; the ``PrefixCache`` surface is its own (sizes, locks, events).
+        tiers: lower tiers, nearest first (host, then storage), each of ``device``'s page.
+        write_policy: one of ``WRITE_POLICIES``.
+        write_threshold: hits before ``write_through_selective`` copies an entry down (>= 1).
+        worth_loading: ``(tier name, tokens, prefix length) -> bool``, whether loading that many tokens
+            after that many cached ones beats computing them (the simulator's cost model; None: always).
+        mover: runs each ``Copy`` at once (the engine's buffers; None: copies are only recorded).
+    """
+
+    def __init__(self, device: PrefixCache, tiers: Sequence[Tier], write_policy: str = "write_through",
+                 write_threshold: int = 2, worth_loading: Callable[[str, int, int], bool] | None = None,
+                 mover: Callable[[Copy], None] | None = None):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write_policy {write_policy!r}; choose one of {WRITE_POLICIES}")
+        if isinstance(write_threshold, bool) or not isinstance(write_threshold, int) or write_threshold < 1:
+            raise ValueError(f"write_threshold must be an integer >= 1, got {write_threshold!r}")
+        if not tiers or any(t.cache.page_size != device.page_size for t in tiers):
+            raise ValueError("a tiered cache needs at least one lower tier, each of the device tier's page")
+        if device.caches_during_decode:
+            raise ValueError("tiers work over caches that insert at chunk and request ends (radix, hash)")
+        self.device, self.tiers = device, list(tiers)
+        self.write_policy, self.write_threshold = write_policy, write_threshold
+        self.worth_loading, self.mover = worth_loading, mover
+        self.page_size = device.page_size
+        self.caches_during_decode = False
+        self.eviction_policy = getattr(device, "eviction_policy", None)
+        self.copies: list[Copy] = []
+        self._uses: dict[Any, int] = {}  # write_through_selective: reuses per device entry not yet copied
+        self.loaded_tokens = dict.fromkeys((t.name for t in self.tiers), 0)  # into the device, by source tier
+        self.written_tokens = dict.fromkeys((t.name for t in self.tiers), 0)  # from the device, by target tier
+        self._listener: CacheListener | None = None
+
+    # ------------------------------------------------------------------ the device tier's surface
+    @property
+    def listener(self) -> CacheListener | None:
+        return self._listener
+
+    @listener.setter
+    def listener(self, listener: CacheListener | None) -> None:
+        """Every tier's events, each with its tier's ``medium`` (a shared store's go to no replica)."""
+        self._listener = listener
+        self.device.listener = None if listener is None else _with_medium(listener, MEDIUM["device"])
+        for tier in self.tiers:
+            if not tier.shared:
+                tier.cache.listener = None if listener is None else _with_medium(listener, MEDIUM[tier.name])
+
+    total_size = property(lambda self: self.device.total_size, doc="Tokens on the device tier.")
+    evictable_size = property(lambda self: self.device.evictable_size, doc="Unlocked device tokens.")
+    protected_size = property(lambda self: self.device.protected_size, doc="Locked device tokens.")
+
+    def lock(self, node: Any) -> None:
+        self.device.lock(node)
+
+    def unlock(self, node: Any) -> None:
+        self.device.unlock(node)
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        return self.device.cacheable_length(num_tokens)
+
+    def held_slots(self) -> np.ndarray:
+        """The device slots the cache holds (the lower tiers' are their allocators' business)."""
+        return self.device.held_slots()
+
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+        """The device tier's longest match (``plan_load`` extends it); under ``write_through_selective`` an
+        entry reached for the ``write_threshold``-th time is copied down. O(device match)."""
+        return self.device.match_prefix(tokens, namespace)
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+        """The device tier's insert; ``write_through`` first copies what the lower tiers lack (from
+        ``indices``, which hold the KV now, duplicates included). Unequal lengths raise ``ValueError``
+        before anything is copied, as the device's own check would, so no tier changes."""
+        if self.write_policy == "write_through" or (self.write_policy == "write_through_selective"
+                                                     and self.write_threshold == 1):  # its insert is a hit
+            arr, idx = as_token_array(tokens), as_token_array(indices)
+            if len(arr) != len(idx):
+                raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
+            self._write(arr, idx, namespace)
+        return self.device.insert(tokens, indices, namespace)
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """The device tier's eviction; ``write_back`` copies each evicted entry's prefix down first."""
+        if self.write_policy != "write_back":
+            return self.device.evict(num_tokens)
+        victims: list[Evicted] = []
+        freed = self.device.evict(num_tokens, victims)
+        for v in victims:
+            self._write(v.tokens, v.slots, v.namespace)
+        return freed
+
+    # ------------------------------------------------------------------ loads
+    def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None) -> LoadPlan:
+        """How far the lower tiers extend ``match`` (the device's for ``tokens``, locked by the caller): per
+        tier, nearest first, the whole pages after what nearer tiers supply, while ``worth_loading`` agrees.
+        The tiers' matches are locked until ``load`` or ``cancel``. O(tokens) per tier."""
+        arr = as_token_array(tokens)
+        if self.write_policy == "write_through_selective" and match.length:
+            self._reused(arr[: match.length], match, namespace)
+        plan = LoadPlan(arr, namespace, match)
+        start = match.length
+        for tier in self.tiers:
+            m = tier.cache.match_prefix(arr, namespace)
+            if m.length <= start:
+                continue
+            if self.worth_loading is not None and not self.worth_loading(tier.name, m.length - start, start):
+                break
+            tier.cache.lock(m.node)
+            plan.parts.append(Part(tier, m, start, m.length))
+            start = m.length
+        return plan
+
+    def cancel(self, plan: LoadPlan) -> None:
+        """Give a plan up (no device slots for it): the tiers' locks go."""
+        for part in plan.parts:
+            part.tier.cache.unlock(part.match.node)
+        plan.parts.clear()
+
+    def load(self, plan: LoadPlan, slots: np.ndarray) -> MatchResult:
+        """Copy the plan's tokens into ``slots`` (``plan.length`` fresh device slots) and insert them into the
+        device tier: the new match, locked in place of ``plan.match``. O(plan tokens) plus the copies."""
+        m0 = plan.match.length
+        if len(slots) != plan.length:
+            raise ValueError(f"load: {len(slots)} slots for {plan.length} tokens")
+        try:
+            for tier, m, start, stop in plan.parts:
+                self._copy(Copy(tier.name, "device", m.indices[start:stop], slots[start - m0 : stop - m0]))
+                self.loaded_tokens[tier.name] += stop - start
+        finally:
+            self.cancel(plan)
+        stop = m0 + len(slots)
+        already = self.device.insert(plan.tokens[:stop], np.concatenate([plan.match.indices, slots]), plan.namespace)
+        # the plan's device path is locked and nothing inserts between plan_load and load (evictions only)
+        assert already == m0, f"load: the device tier held {already} tokens, the plan {m0}"
+        m = self.device.match_prefix(plan.tokens[:stop], plan.namespace)
+        self.device.lock(m.node)
+        self.device.unlock(plan.match.node)
+        return m
+
+    def _reused(self, tokens: np.ndarray, match: MatchResult, namespace: Hashable) -> None:
+        """An admission reused ``match``: count it against its last entry (its insertion was hit 1), and copy
+        the prefix down when the hits reach ``write_threshold``. Counts of entries that left the device are
+        dropped once they outnumber the device's entries."""
+        entry = _last_entry(match.node)
+        uses = self._uses[entry] = self._uses.get(entry, 1) + 1
+        if uses >= self.write_threshold:
+            del self._uses[entry]
+            self._write(tokens, match.indices, namespace)
+        elif len(self._uses) > 2 * max(self.device.total_size // self.page_size, 1024):
+            self._uses = {e: n for e, n in self._uses.items() if _attached(e)}
+
+    # ------------------------------------------------------------------ writes
+    def _write(self, tokens: np.ndarray, slots: np.ndarray, namespace: Hashable) -> None:
+        """Copy the whole pages of ``tokens`` (device KV at ``slots``) into every lower tier lacking them."""
+        for tier in self.tiers:
+            held, fresh = tier.store(tokens, namespace)
+            if len(fresh):
+                self._copy(Copy("device", tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
+                tier.keep(tokens, held, fresh, namespace)
+                self.written_tokens[tier.name] += len(fresh)
+
+    def _copy(self, copy: Copy) -> None:
+        if self.mover is not None:
+            self.mover(copy)
+        self.copies.append(copy)
+
+    def take_copies(self) -> list[Copy]:
+        """The copies since the last call, in order (the simulator charges their time)."""
+        out, self.copies = self.copies, []
+        return out
+
+    # ------------------------------------------------------------------ books
+    def stats(self) -> dict[str, Any]:
+        """The device tier's lookup statistics, and tokens loaded and written per lower tier."""
+        return {**self.device.stats(), "loaded_tokens": dict(self.loaded_tokens),
+                "written_tokens": dict(self.written_tokens),
+                "tier_tokens": {"device": self.device.total_size, **{t.name: t.cache.total_size for t in self.tiers}}}
+
+    def unlock_all(self) -> None:
+        """Every tier's locks go, and each lower tier's allocator takes back what its cache does not hold
+        (a write that failed between allocating and inserting)."""
+        self.device.unlock_all()
+        for tier in self.tiers:
+            tier.cache.unlock_all()
+            tier.allocator.retain(tier.cache.held_slots())
+
+    def check_invariants(self) -> None:
+        """Each tier's own invariants (no slot held twice in any tier, every lower slot free or held)."""
+        self.device.check_invariants()
+        for tier in self.tiers:
+            tier.check_invariants()
+
+    def reset(self) -> None:
+        """Empty every tier (a shared store stays: other replicas use it) and zero the counters."""
+        self.device.reset()
+        for tier in self.tiers:
+            if not tier.shared:
+                tier.reset()
+        self.copies, self._uses = [], {}
+        self.loaded_tokens = dict.fromkeys(self.loaded_tokens, 0)
+        self.written_tokens = dict.fromkeys(self.written_tokens, 0)
+
+    def to_dict(self, namespace: Hashable = None) -> dict:
+        return self.device.to_dict(namespace)
+
+    def pretty_print(self) -> str:
+        lines = [f"device: {self.device.pretty_print()}"]
+        lines += [f"{t.name}: {t.cache.pretty_print()}" for t in self.tiers]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{t.name}={t.cache.total_size}/{t.allocator.capacity}" for t in self.tiers)
+        return f"TieredCache({self.device!r}, {sizes}, write_policy={self.write_policy!r})"
+
+
+def _last_entry(node: Any) -> Any:
+    """A device match handle's last entry: the radix node itself, a block chain's last block."""
+    blocks = getattr(node, "blocks", None)
+    return node if blocks is None else blocks[-1]
+
+
+def _attached(entry: Any) -> bool:
+    """Whether a radix node or a block is still in its cache."""
+    return entry.cached if hasattr(entry, "cached") else entry.parent is not None
+
+
+def _with_medium(listener: CacheListener, medium: str) -> CacheListener:
+    def tagged(event: Any) -> None:
+        listener(replace(event, medium=medium) if hasattr(event, "medium") else event)
+    return tagged
