@@ -124,7 +124,9 @@ class ClusterResult:
                "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
                "throughput": self.throughput, "makespan": self.makespan,
                "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts),
-               "hit_rate_by_tier": self.hit_rate_by_tier}
+               "hit_rate_by_tier": self.hit_rate_by_tier,
+               **{k: sum(getattr(r, k) for r in self.replicas) for k in ("load_seconds", "loaded_tokens",
+                                                                         "written_tokens")}}
         for name, value in self.references.items():
             out[name] = value
             out[f"share_of_{name}"] = self.hit_rate / value if value else 0.0

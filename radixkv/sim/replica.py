@@ -42,6 +42,8 @@ class SimResult:
     makespan: float = 0.0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     load_seconds: float = 0.0
+    loaded_tokens: int = 0  # from lower tiers into the device
+    written_tokens: int = 0  # from the device into lower tiers
     config: dict = field(default_factory=dict)
     per_request: list[dict] = field(default_factory=list)
     steps: list[tuple[int, float, int, int]] = field(default_factory=list)
@@ -70,6 +72,7 @@ class SimResult:
             "computed_tokens": self.computed_tokens, "evicted_tokens": self.evicted_tokens,
             "preemptions": self.preemptions, "rejected": self.rejected, "makespan": self.makespan, **stats,
             "hit_rate_by_tier": self.hit_rate_by_tier, "load_seconds": self.load_seconds,
+            "loaded_tokens": self.loaded_tokens, "written_tokens": self.written_tokens,
         }
 
 
@@ -247,6 +250,9 @@ class Replica:
         self.result.makespan = self.now
         self.result.evicted_tokens = self.scheduler.stats["evicted_tokens"]
         self.result.preemptions = self.scheduler.stats["preemptions"]
+        if self.tiered:
+            self.result.loaded_tokens = sum(self.cache.loaded_tokens.values())
+            self.result.written_tokens = sum(self.cache.written_tokens.values())
         self.result.per_request.sort(key=lambda row: row["rid"])
         return self.result
 
