@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -175,11 +175,11 @@ def read_results(path: str | Path) -> list[dict]:
 
 def _write_lines(path: Path, rows: Iterable[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(_line(r) for r in rows))
+    tmp.write_text("".join(result_line(r) for r in rows))
     tmp.replace(path)
 
 
-def _line(row: dict) -> str:
+def result_line(row: dict) -> str:
     """One results line, as ``write_rows`` writes them (NaN and infinities as null)."""
     return json.dumps(_finite(row), default=_jsonable, allow_nan=False) + "\n"
 
@@ -231,8 +231,10 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
 
 
 def execute(requests: Sequence[Request], configs: Sequence[dict], path: str | Path, ray=None,
-            desc: str = "sweep") -> tuple[list[dict], list[tuple[dict, str]]]:
-    """Run ``configs`` and append each row to ``path`` as it finishes; returns (rows, failures).
+            desc: str = "sweep", run: Callable[[Sequence[Request], dict], dict] = run_config,
+            ) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """Run ``configs`` (each through ``run``, ``run_config`` by default; another experiment passes its own) and
+    append each row to ``path`` as it finishes; returns (rows, failures).
 
     With ``ray`` (an initialized ``ray`` module) the workload is put in the object store once and each
     configuration is a task of one CPU, collected with ``ray.wait`` as they finish; without, they run here in
@@ -246,7 +248,7 @@ def execute(requests: Sequence[Request], configs: Sequence[dict], path: str | Pa
     with path.open("a") as f, tqdm(total=len(configs), desc=desc, unit="run", file=sys.stderr) as bar:
         def record(config: dict, row: dict | None, error: str | None) -> None:
             if row is not None:
-                f.write(_line(row))
+                f.write(result_line(row))
                 f.flush()
                 rows.append(row)
             else:
@@ -257,12 +259,12 @@ def execute(requests: Sequence[Request], configs: Sequence[dict], path: str | Pa
         if ray is None:
             for c in configs:
                 try:
-                    record(c, run_config(requests, c), None)
+                    record(c, run(requests, c), None)
                 except Exception as e:  # one bad configuration must not lose the others
                     record(c, None, f"{type(e).__name__}: {e}")
             return rows, failures
         workload = ray.put(list(requests))
-        task = ray.remote(num_cpus=1)(run_config)
+        task = ray.remote(num_cpus=1)(run)
         waiting = {task.remote(workload, c): c for c in configs}
         while waiting:
             done, _ = ray.wait(list(waiting), num_returns=1)

@@ -23,17 +23,14 @@ printed), ``OUT/*.png``; prints the targets, each PASS or MISS with its numbers.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from matplotlib.figure import Figure
-from tqdm import tqdm
 
-from experiments import common, multiturn, routing, sweep
+from experiments import multiturn, routing, sweep
 from experiments.common import DEFAULT_TRACE, environment, fractions_from, names_from, parser, run_cli, save_figure
 from radixkv.cache.tiered import WRITE_POLICIES
 from radixkv.routing import ROUTERS
@@ -158,39 +155,8 @@ def run_config(requests, config: dict) -> dict:
                                router_params=config["router_params"], cost_model=cost, references=False,
                                **settings)
         t = res.ttfts()
-        result = {**res.summary(), "ttft_mean": float(t.mean()) if len(t) else None,
-                  "load_seconds": sum(r.load_seconds for r in res.replicas)}
+        result = {**res.summary(), "ttft_mean": float(t.mean()) if len(t) else None}  # load_seconds: summed there
     return {"key": sweep.key(config), "config": config, **result, "seconds": time.perf_counter() - t0}
-
-
-def _append(f, row: dict) -> None:
-    f.write(json.dumps(common._finite(row), default=common._jsonable, allow_nan=False) + "\n")
-    f.flush()
-
-
-def execute(requests, configs: list[dict], path: Path, ray=None, desc: str = "tiers") -> list[str]:
-    """Run ``configs`` (Ray tasks, or here), appending rows to ``path`` as they finish; the failures."""
-    failures: list[str] = []
-    with path.open("a") as f, tqdm(total=len(configs), desc=desc, unit="run", file=sys.stderr) as bar:
-        def record(config: dict, get) -> None:
-            try:
-                _append(f, get())
-            except Exception as e:  # one bad configuration must not lose the others
-                failures.append(f"{sweep.key(config)}: {type(e).__name__}: {e}")
-                tqdm.write(f"failed: {failures[-1]}", file=sys.stderr)
-            bar.update()
-
-        if ray is None:
-            for c in configs:
-                record(c, lambda c=c: run_config(requests, c))
-            return failures
-        workload, task = ray.put(list(requests)), ray.remote(num_cpus=1)(run_config)
-        waiting = {task.remote(workload, c): c for c in configs}
-        while waiting:
-            done, _ = ray.wait(list(waiting), num_returns=1)
-            for ref in done:
-                record(waiting.pop(ref), lambda ref=ref: ray.get(ref))
-    return failures
 
 
 def run_simulations(args, todo: dict, path: Path) -> list[str]:
@@ -204,7 +170,9 @@ def run_simulations(args, todo: dict, path: Path) -> list[str]:
             stack.enter_context(sweep.ray_session(args.ray_address, args.num_cpus))
         for name, (spec, configs) in pending.items():
             if configs:
-                failures += execute(sweep.load_workload(spec, args.trace), configs, path, ray, desc=name)
+                _, failed = sweep.execute(sweep.load_workload(spec, args.trace), configs, path, ray, desc=name,
+                                          run=run_config)
+                failures += [f"{sweep.key(config)}: {error}" for config, error in failed]
     return failures
 
 
@@ -260,7 +228,7 @@ def run_engines(args, path: Path) -> set[str]:
     done = {r["key"] for r in sweep.read_results(path)}
     for i, name, _ in [run for run in runs if run[2] not in done]:
         with path.open("a") as f:
-            _append(f, row := serve_engine(args, name, i))
+            f.write(sweep.result_line(row := serve_engine(args, name, i)))
         print(f"engine {name}, run {i + 1}: {row['seconds']:.0f} s")
     return {k for _, _, k in runs}
 
