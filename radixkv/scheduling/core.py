@@ -291,8 +291,8 @@ class Scheduler:
             lender, length = lend
             s.slots = np.concatenate([m.indices, lender.slots[m.length : length]])
             s.cached = s.computed = length
-        n = int(min(len(s.prompt) - s.computed, self.chunk, budget))
-        if not self._allocate(s, n if self.whole_kv is None else self.whole_kv(s) - s.cached):
+        n, need = self._first_slots(s, s.cached, budget)
+        if not self._allocate(s, need):
             self.cache.unlock(m.node)
             s.reset()
             return 0
@@ -309,6 +309,12 @@ class Scheduler:
                 self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n_hit
         return n
 
+    def _first_slots(self, s: RequestState, cached: int, budget: float) -> tuple[int, int]:
+        """After ``cached`` prompt tokens: the first chunk's tokens, and the slots admission allocates (that
+        chunk's, or the whole KV's where it is reserved at admission)."""
+        n = int(min(len(s.prompt) - cached, self.chunk, budget))
+        return n, n if self.whole_kv is None else self.whole_kv(s) - cached
+
     def _load(self, s: RequestState, m: MatchResult, budget: float) -> tuple[MatchResult, dict[str, int]]:
         """Extend ``m`` (locked) from a tiered cache's lower tiers into fresh device slots, evicting as usual:
         the match to use and its tokens per tier. Only when the admission's own slots (its first chunk, or its
@@ -316,11 +322,8 @@ class Scheduler:
         plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace)
         if not plan.length:
             return m, {"device": m.length}
-        cached, page = m.length + plan.length, self.allocator.page_size
-        if self.whole_kv is not None:
-            rest = self.whole_kv(s) - cached
-        else:  # its first chunk
-            rest = int(min(len(s.prompt) - cached, self.chunk, budget))
+        _, rest = self._first_slots(s, m.length + plan.length, budget)
+        page = self.allocator.page_size
         need = plan.length + math.ceil(rest / page) * page  # the chunk starts on a fresh page after the load
         if self.allocator.num_free < need:
             self._evict(need - self.allocator.num_free)
