@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from radixkv.attention.registry import BACKENDS, FLASHINFER_DTYPE_NAMES
+from radixkv.cache.base import CacheHints
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
 from radixkv.stack import StackConfig, kv_page_size
@@ -37,6 +40,7 @@ class EngineConfig:
     in host memory, pinned beside a CUDA device; None or 0: none), written under ``write_policy`` (SGLang's
     ``write_through``, ``write_through_selective`` after ``write_threshold`` hits, ``write_back``); see
     ``radixkv.cache.tiered``.
+    ``eviction_params`` are the eviction policy's parameters (``StackConfig.eviction_params``).
     ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
     float32); ``LLM`` resolves it, so ``LLM(...).config.dtype`` is always a concrete name.
     """
@@ -47,6 +51,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None
     eviction_policy: str = "lru"
+    eviction_params: Mapping[str, Any] = field(default_factory=dict)
     schedule_policy: str = "lpm"
     in_batch_sharing: int = 32
     max_batch_tokens: int | None = 4096
@@ -114,7 +119,12 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates. ``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's threshold) is greedy:
-    dividing logits by a tinier one overflows float32 (inf - inf = NaN) where the limit is the argmax."""
+    dividing logits by a tinier one overflows float32 (inf - inf = NaN) where the limit is the argmax.
+
+    ``priority`` (an int; larger is kept longer by the ``priority`` eviction policy) and ``ttl`` (seconds the
+    cache holds the prefix this request leaves once it finishes, under the ``ttl`` policy; None: the
+    policy's default) go to the prefix cache with every call made for the request, as its ``CacheHints``
+    (``cache_hints``); other eviction policies ignore them."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -123,6 +133,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    priority: int = 0
+    ttl: float | None = None
 
     def __post_init__(self) -> None:
         # Checked here, not where they are used: a value that failed inside a batch would stop the batch.
@@ -140,13 +152,21 @@ class SamplingParams:
              "an integer in [-2**63, 2**64), the range torch.Generator takes"),
             (all(map(is_int, stops)), "stop_token_ids must be integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
+            (is_int(self.priority), "priority must be an integer"),
+            (self.ttl is None or (is_real(self.ttl) and self.ttl >= 0), "ttl must be None or a finite number >= 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        for name in ("max_new_tokens", "top_k", "seed"):  # numpy integers pass the checks; torch wants int
+        for name in ("max_new_tokens", "top_k", "seed", "priority"):  # numpy integers pass the checks; torch wants int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
-        for name in ("temperature", "top_p"):  # a Fraction or a Decimal would fail inside the step's arithmetic
-            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("temperature", "top_p", "ttl"):  # a Fraction or a Decimal would fail inside the step's arithmetic
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def cache_hints(self) -> CacheHints:
+        """What the prefix cache is told about this request (its ``priority`` and ``ttl``)."""
+        return CacheHints(self.priority, self.ttl)

@@ -36,7 +36,7 @@ from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import prepare_step
 from radixkv.scheduling import RequestState
-from radixkv.sim.cost import StepRecord
+from radixkv.sim.cost import CostModel, StepRecord
 from radixkv.stack import build_stack, check_idle
 
 
@@ -123,8 +123,10 @@ class LLM:
                                cfg.model)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
-        self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0}  # the scheduler counts tokens
+        self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0, "saved_prefill_s": 0.0}  # the scheduler: tokens
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
+        self._cost = CostModel()  # the CPU calibration preset: what ``saved_prefill_s`` is priced at
+        self.scheduler.on_first_admit = self._count_saved
 
     def _host_tier(self, ratio: float | None) -> KVMover | None:
         """A host tier's buffer (pinned beside a CUDA pool) and the mover of copies to and from it: of
@@ -156,8 +158,9 @@ class LLM:
     def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
         rid = self._next_id
         self._next_id += 1
-        self.scheduler.add(_Seq(rid, ids, namespace, params=params, arrival=time.perf_counter(),
-                                generator=seeded_generator(params.seed, self.config.device), device=self.config.device))
+        generator = seeded_generator(params.seed, self.config.device)
+        self.scheduler.add(_Seq(rid, ids, namespace, hints=params.cache_hints, params=params,
+                                arrival=time.perf_counter(), generator=generator, device=self.config.device))
         return rid
 
     @property
@@ -204,6 +207,10 @@ class LLM:
                 self._unclaimed = unclaimed + finished + self._unclaimed
                 self.scheduler.recover(done={o.request_id for o in finished})
             raise
+
+    def _count_saved(self, s: _Seq) -> None:
+        """A request's first admission: the prefill time its cached prompt tokens saved (``stats``)."""
+        self._stats["saved_prefill_s"] += self._cost.saved_prefill_time(len(s.prompt), s.hit)
 
     def _record(self, seconds: float, model_s: float, ab: AttentionBatch, prefill_rows: list[bool]) -> None:
         if self.mover is not None:
@@ -287,6 +294,10 @@ class LLM:
         ``step_s`` is the time spent in ``step()``, ``model_s`` the part of it in
         the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
         engine's own share (scheduling, cache, metadata, attention planning, sampling).
+
+        ``saved_prefill_s`` is the prefill time the cache saved, priced by ``CostModel()`` (the CPU
+        calibration preset, not measured): for each admitted request of n prompt tokens of which h were
+        cached (every tier), ``prefill_time(n, 0) - prefill_time(n - h, h)``, as the simulator's.
         """
         s = self.scheduler.stats | self._stats
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0

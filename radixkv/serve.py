@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
         flag = FLAG_NAMES.get(name, name).replace("_", "-")
         p.add_argument(f"--{flag}", dest=name, type=kind, default=getattr(defaults, name),
                        choices=choices.get(name), help=text)
+    p.add_argument("--eviction-params", type=json.loads, default=None,
+                   help='the eviction policy\'s parameters as JSON, e.g. \'{"ttl": 60}\' for ttl '
+                        '(docs/eviction.md)')
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "
                         "--host-kv-cache-tokens)")
@@ -101,6 +104,8 @@ def build(args: argparse.Namespace):
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
     if args.hicache_ratio is not None:
         settings["hicache_ratio"] = args.hicache_ratio
+    if args.eviction_params is not None:
+        settings["eviction_params"] = args.eviction_params
     if args.replicas != 1:
         engine = _cluster_engine(args, settings)
     else:

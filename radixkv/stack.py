@@ -19,12 +19,13 @@ that differs, and says why there. O(1) to build, but for the allocator's free li
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.cache.eviction import make_policy as make_policy_named
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
@@ -44,7 +45,8 @@ class StackConfig:
     ``capacity_tokens``: the KV budget (None: the engine sizes it from free memory, the simulator makes room
     for every token). ``in_batch_sharing``: SGLang's in-batch prefix caching threshold in tokens (0: off).
     ``max_batch_tokens`` / ``chunked_prefill_size``: tokens per step and per prefill chunk (None: no limit).
-    ``eviction_policy`` takes ``belady`` too where the caller supplies the future (the simulator).
+    ``eviction_policy`` takes ``belady`` too where the caller supplies the future (the simulator);
+    ``eviction_params`` are the policy's parameters (``radixkv.cache.eviction``), for every tier.
     ``host_capacity_tokens`` / ``storage_capacity_tokens`` put lower tiers below a radix or hash cache (None
     or 0: none), copied down under ``write_policy`` (``write_threshold`` hits for the selective one); see
     ``radixkv.cache.tiered``.
@@ -55,6 +57,7 @@ class StackConfig:
     page_size: int = 1
     block_size: int = 16
     eviction_policy: str = "lru"
+    eviction_params: Mapping[str, Any] = field(default_factory=dict)
     schedule_policy: str = "lpm"
     in_batch_sharing: int = 32
     max_batch_tokens: int | None = 4096
@@ -98,7 +101,19 @@ class StackConfig:
              f"host and storage tiers work with the caches {TIERED_CACHES}"),
             (not self.tiered or self.eviction_policy != "belady", "tiers take an online eviction_policy"),
         ]
-        return [message for ok, message in checks if not ok]
+        return [message for ok, message in checks if not ok] + self._policy_problems()
+
+    def _policy_problems(self) -> list[str]:
+        """What ``make_policy`` says of the eviction policy's parameters (belady takes none)."""
+        if not isinstance(self.eviction_params, Mapping):
+            return [f"eviction_params must be a mapping of parameter names, got {self.eviction_params!r}"]
+        if self.eviction_policy == "belady" or self.eviction_policy not in EVICTION_POLICIES:
+            return ["belady takes no eviction_params"] if self.eviction_params else []
+        try:
+            make_policy_named(self.eviction_policy, **self.eviction_params)
+        except ValueError as e:
+            return [str(e)]
+        return []
 
     @property
     def tiered(self) -> bool:
@@ -159,7 +174,7 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     ``mover`` (see ``TieredCache``)."""
     prefix_cache = cache if cache is not None else make_cache(
         config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
-        eviction_policy=config.eviction_policy, **cache_options)
+        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params, **cache_options)
     if cache is None and config.tiered:
         tiers = [lower_tier(config, "host", config.host_capacity_tokens)] if config.host_capacity_tokens else []
         if storage is None and config.storage_capacity_tokens:
@@ -178,8 +193,10 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
 
 
 def lower_tier(config: StackConfig, name: str, capacity_tokens: int, shared: bool = False) -> Tier:
-    """A host or storage tier for ``config``'s cache: the same kind and page, ``capacity_tokens`` slots, LRU."""
-    cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size)
+    """A host or storage tier for ``config``'s cache: the same kind, page and eviction policy (a policy of its
+    own), ``capacity_tokens`` slots."""
+    cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
+                       eviction_policy=config.eviction_policy, eviction_params=config.eviction_params)
     return Tier(name, cache, SlotAllocator(capacity_tokens, page_size=cache.page_size), shared)
 
 

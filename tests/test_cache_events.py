@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import radixkv.cache.radix as radix_module
 from radixkv import HashBlockCache, HashV0Cache, NoPrefixCache, OutOfSlotsError, RadixCache, SlotAllocator
 from radixkv.cache import events
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
@@ -243,10 +244,11 @@ def test_no_listener_no_event_is_built(kind, monkeypatch):
     for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "page_states", "namespace_seed",
                  "block_hashes", "block_hash", "mix_states"):
         monkeypatch.setattr(events, name, boom)
-    for cls, names in [(RadixCache, ("_state_at", "_stored", "_removed")), (HashBlockCache, ("_namespace_of",)),
-                       (HashV0Cache, ("_stored",))]:
+    for cls, names in [(HashBlockCache, ("_namespace_of",)), (HashV0Cache, ("_stored",))]:
         for name in names:
             monkeypatch.setattr(cls, name, boom)
+    for name in ("stored", "removed"):  # the radix tree's event builders (radixkv.cache.radix_events)
+        monkeypatch.setattr(radix_module, name, boom)
     factory, page = CACHES[kind]
     cache = factory()
     driver = Driver(cache, page, random.Random(0))

@@ -577,10 +577,10 @@ def test_each_policy_changes_eviction_order(policy, expected):
     assert _policy_scenario(policy) == expected
 
 
-def test_policies_pick_different_first_victims():
+def test_classical_policies_pick_different_first_victims():
     firsts = {p: _policy_scenario(p)[0] for p in POLICY_NAMES}
     assert len(set(firsts.values())) == len(POLICY_NAMES), firsts
-    assert set(POLICIES) == set(POLICY_NAMES)
+    assert set(POLICY_NAMES) <= set(POLICIES)
 
 
 def test_lfu_ties_broken_by_recency():
@@ -965,7 +965,7 @@ def test_known_policies_construct(policy):
     check(cache)
 
 
-@pytest.mark.parametrize("policy", ["random", "", "lru ", None, "arc"])
+@pytest.mark.parametrize("policy", ["random", "", "lru ", None, "ARC"])
 def test_unknown_policy_raises(policy):
     with pytest.raises(ValueError):
         RadixCache(eviction_policy=policy)

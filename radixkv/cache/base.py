@@ -9,7 +9,7 @@ experiment swaps caches by changing one constructor argument.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +37,24 @@ class MatchResult(NamedTuple):
     node: Any
 
 
+class CacheHints(NamedTuple):
+    """What a request tells the cache about the entries it matches and inserts, for the eviction policy.
+
+    ``priority``: larger is kept longer (the ``priority`` policy evicts lower-priority prefixes first; an entry
+    keeps the highest priority of the requests that used it). ``ttl``: seconds to hold the prefix this request
+    leaves once it finishes (the ``ttl`` policy; None: the policy's own). ``request``: who asks (any hashable,
+    None: anonymous), so that a policy counting reuse counts one per request, not one per lookup (a scheduler
+    looks a waiting request up more than once, and re-matches what a running one just inserted).
+    """
+
+    priority: int = 0
+    ttl: float | None = None
+    request: Hashable = None
+
+
+NO_HINTS = CacheHints()
+
+
 class Evicted(NamedTuple):
     """One entry ``evict`` removed, for a caller that keeps it elsewhere (a tiered cache's write-back): the
     whole prefix through it (``tokens``) and that prefix's slots, the entry's own last (still unreused)."""
@@ -58,6 +76,9 @@ class PrefixCache(Protocol):
     ``held_slots`` (every slot index the cache holds) and ``unlock_all`` (drop every lock, keep every
     entry) let a caller rebuild its books after a failure in the middle of a step (``Scheduler.recover``).
 
+    ``clock`` (seconds; ``time.monotonic`` unless the caller sets another, as the simulator sets its own) is
+    what time-aware eviction policies read; ``hints`` (``CacheHints``) carry a request's priority and hold time.
+
     ``listener`` (None by default, kept across ``reset``) is called with a :mod:`radixkv.cache.events` event
     each time blocks join the cache, leave it, or all go at once; with None the cache builds no event.
     """
@@ -65,9 +86,13 @@ class PrefixCache(Protocol):
     caches_during_decode: bool
     listener: CacheListener | None
 
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult: ...
+    clock: Callable[[], float]
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int: ...
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS
+                     ) -> MatchResult: ...
+
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int: ...
 
     def lock(self, node: Any) -> None: ...
 
@@ -108,7 +133,8 @@ class LockError(RuntimeError, ValueError):
     so callers catching either see it."""
 
 
-def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable = None,
+                      hints: CacheHints = NO_HINTS) -> MatchResult:
     """Match ``tokens`` as a prompt that is about to be prefilled.
 
     A request must compute at least one prompt token to get the logits it
@@ -119,7 +145,7 @@ def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable 
     This rule belongs to the caller (scheduler, simulator), not to the cache.
     """
     n = len(tokens)
-    return cache.match_prefix(tokens[: max(n - 1, 0)], namespace)
+    return cache.match_prefix(tokens[: max(n - 1, 0)], namespace, hints)
 
 
 def all_unique(values: np.ndarray) -> bool:

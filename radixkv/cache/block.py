@@ -22,7 +22,7 @@ class Block:
 
     __slots__ = (
         "key", "parent_key", "tokens", "slots", "lock_count", "own_lock_count", "num_children",
-        "last_access", "hit_count", "created", "stamp", "cached",
+        "last_access", "hit_count", "created", "stamp", "cached", "depth", "user", "state",
     )
 
     def __init__(self, key: BlockKey, parent_key: BlockKey, tokens: bytes, slots: np.ndarray, now: int):
@@ -36,6 +36,12 @@ class Block:
         self.created = now
         self.stamp = -1
         self.cached = True
+        self.depth = 0  # tokens before the block, for eviction policies (as ``user`` and ``state``)
+        self.user: object = None
+        self.state: object = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
     def __repr__(self) -> str:
         toks = np.frombuffer(self.tokens, dtype=LE_INT64)[:8].tolist()

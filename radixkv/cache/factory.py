@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.belady import BeladyRadixCache, FutureUses
+from radixkv.cache.eviction import make_policy
 from radixkv.cache.hash_block import HashBlockCache
 from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.none import NoPrefixCache
@@ -15,7 +17,7 @@ CACHES = ("radix", "hash", "hash-v0", "none")
 
 
 def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_policy: str = "lru",
-               **options: Any) -> PrefixCache:
+               eviction_params: Mapping[str, Any] | None = None, **options: Any) -> PrefixCache:
     """A prefix cache by name: ``radix`` (``RadixCache(page_size, eviction_policy)``), ``hash``
     (``HashBlockCache(block_size, eviction_policy)``), ``hash-v0`` (``HashV0Cache(block_size)``, vLLM v0's APC,
     whose only policy is ``lru``: v0's evictor) or ``none`` (``NoPrefixCache``, which takes nothing).
@@ -23,7 +25,8 @@ def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_
     ``page_size`` is the radix tree's granularity (tokens per KV page it matches in) and ``block_size`` the
     hash caches' (tokens per hashed block); each cache reads its own. ``eviction_policy="belady"`` is the
     clairvoyant reference, radix only, and needs ``future=FutureUses(...)`` (what the simulator knows of the
-    arrivals). Unknown names, options and policies raise ``ValueError``.
+    arrivals). ``eviction_params`` are the policy's parameters (``make_policy(eviction_policy, **params)``,
+    :mod:`radixkv.cache.eviction`). Unknown names, options, policies and parameters raise ``ValueError``.
     """
     if name not in CACHES:
         raise ValueError(f"unknown cache {name!r}; choose one of {list(CACHES)}")
@@ -37,10 +40,14 @@ def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_
         return BeladyRadixCache(future, page_size=page_size)
     if future is not None:
         raise ValueError("future= applies to eviction_policy='belady' only")
-    if name == "radix":
-        return RadixCache(page_size=page_size, eviction_policy=eviction_policy)
-    if name == "hash":
-        return HashBlockCache(block_size=block_size, eviction_policy=eviction_policy)
+    params = dict(eviction_params or {})
+    if name in ("radix", "hash"):
+        policy = make_policy(eviction_policy, **params)
+        if name == "radix":
+            return RadixCache(page_size=page_size, eviction_policy=policy)
+        return HashBlockCache(block_size=block_size, eviction_policy=policy)
+    if params:
+        raise ValueError(f"the {name!r} cache takes no eviction_params")
     if name == "hash-v0":
         return HashV0Cache(block_size=block_size, eviction_policy=eviction_policy)
     return NoPrefixCache()

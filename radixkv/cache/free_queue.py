@@ -2,15 +2,14 @@
 
 ``FreeQueue`` is vLLM's free block queue: entries leave from the head in the
 order they were released (least recently released first), O(1) per
-operation. ``PriorityFreeQueue`` orders entries by an eviction-policy priority
-(:mod:`radixkv.cache.eviction`) with a lazy binary heap, for the other
-policies. Both take batches "reversed": a chain's last entry is queued first,
+operation. ``PolicyFreeQueue`` lets an eviction policy (:mod:`radixkv.cache.eviction`) order them, for
+the other policies. Both take batches "reversed": a chain's last entry is queued first,
 so on equal standing a chain's tail is evicted before its head.
 
 A cache whose entries form chains (``HashBlockCache``) must never evict an
 entry while an entry that chains from it is still cached. ``FreeQueue``
 leaves that to the order in which the cache queues entries (children ahead of
-their parents; its head then never has a child). ``PriorityFreeQueue`` ranks
+their parents; its head then never has a child). ``PolicyFreeQueue`` ranks
 entries by their own statistics, which need not respect the chain, so it
 takes a ``waits`` predicate: an entry that still has children is passed over
 when it surfaces, stays queued, and is ranked again by ``ready`` once it may
@@ -19,12 +18,13 @@ leave.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-_PASSED_OVER = 0  # the stamp of an entry pop() passed over: never a heap sequence number (they start at 1)
+from radixkv.cache.eviction import EvictionPolicy
+
+_PASSED_OVER = 0  # the stamp of an entry pop() passed over: never a policy's stamp (they start at 1)
 
 
 class FreeQueue:
@@ -70,28 +70,24 @@ class FreeQueue:
         return self._items.popitem(last=False)[0] if self._items else None
 
 
-class PriorityFreeQueue:
-    """Entries ordered by ``priority(entry)`` (smallest first), ties by push order.
+class PolicyFreeQueue:
+    """The unlocked entries, ordered by an eviction policy (:mod:`radixkv.cache.eviction`).
 
-    A lazy heap: re-prioritizing pushes a new entry and stale ones are skipped
-    when they surface; the heap is rebuilt from the live entries when it holds
-    more than 2 x live + 64. Push, pop and remove cost O(log n) amortized. Entries need a writable
-    ``stamp`` attribute.
+    The policy keeps the candidates (its lazy heaps); this queue keeps which entries are queued, so a removed
+    entry's heap items go stale. Push, pop and remove cost the policy's O(log n) amortized.
 
     ``waits(entry)``, when given, holds an entry back: ``pop`` passes over it
-    (it stays queued, without a heap entry) and ``ready`` ranks it again.
+    (it stays queued, without a heap item) and ``ready`` ranks it again.
     Each pass-over costs one O(log n) pop, paid again only after ``ready``
     or ``refresh`` pushed the entry anew.
     """
 
     ranks_by_stats = True  # entries must be re-ranked when their statistics change
 
-    def __init__(self, priority: Callable[[Any], float], waits: Callable[[Any], Any] | None = None):
-        self._priority = priority
+    def __init__(self, policy: EvictionPolicy, waits: Callable[[Any], Any] | None = None):
+        self._policy = policy
         self._waits = waits
-        self._heap: list[tuple[float, int, Any]] = []
         self._members: set[Any] = set()
-        self._seq = 0
 
     def __len__(self) -> int:
         return len(self._members)
@@ -99,18 +95,21 @@ class PriorityFreeQueue:
     def __contains__(self, item: Any) -> bool:
         return item in self._members
 
-    def _push(self, item: Any) -> None:
-        self._seq += 1
-        item.stamp = self._seq
-        heapq.heappush(self._heap, (self._priority(item), self._seq, item))
+    def _live(self, item: Any) -> bool:
+        if item not in self._members:
+            return False
+        if self._waits is not None and self._waits(item):
+            item.stamp = _PASSED_OVER  # its only live heap item is gone: ready() pushes it again
+            return False
+        return True
 
     def push_reversed(self, items: Sequence[Any]) -> None:
+        policy = self._policy
         for item in reversed(items):
             self._members.add(item)
-            self._push(item)
-        if len(self._heap) > 2 * len(self._members) + 64:
-            self._heap = [e for e in self._heap if e[2].stamp == e[1] and e[2] in self._members]
-            heapq.heapify(self._heap)
+            policy.push(item)
+        if policy.heap_size() > 2 * len(self._members) + 64:
+            policy.compact(self._live)
 
     def refresh(self, items: Sequence[Any]) -> None:
         """Re-rank the queued ones among ``items`` after their statistics changed (a lookup hit them)."""
@@ -119,7 +118,7 @@ class PriorityFreeQueue:
     def ready(self, item: Any) -> None:
         """Rank ``item`` again if ``pop`` passed over it (it may leave now); otherwise nothing. O(log n)."""
         if item.stamp == _PASSED_OVER and item in self._members:
-            self._push(item)
+            self._policy.push(item)
 
     def remove(self, item: Any) -> None:
         self._members.discard(item)
@@ -128,18 +127,13 @@ class PriorityFreeQueue:
         self._members.difference_update(items)
 
     def pop(self) -> Any | None:
-        """The queued item of smallest priority that does not wait, removed; None when there is none."""
-        heap, waits = self._heap, self._waits
-        while heap:
-            _, seq, item = heapq.heappop(heap)
-            if item.stamp == seq and item in self._members:
-                if waits is not None and waits(item):
-                    item.stamp = _PASSED_OVER  # its only live entry is gone: ready() pushes it again
-                    continue
-                self._members.remove(item)
-                return item
-        return None
+        """The policy's next victim among the queued items that do not wait, removed; None when there is none."""
+        item = self._policy.pop(self._live)
+        if item is not None:
+            self._members.remove(item)
+        return item
 
     def ranked(self) -> set[Any]:
-        """The queued items that have a live heap entry (those ``pop`` can reach). O(heap), for checks."""
-        return {item for _, seq, item in self._heap if item.stamp == seq and item in self._members}
+        """The queued items that have a live heap item (those ``pop`` can reach). O(heap), for checks."""
+        ids = self._policy.candidates()
+        return {item for item in self._members if id(item) in ids}

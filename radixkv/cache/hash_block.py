@@ -24,19 +24,29 @@ The baseline radixkv compares the radix tree against, following vLLM v1's
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import Evicted, LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.base import (
+    NO_HINTS,
+    CacheHints,
+    Evicted,
+    LockError,
+    MatchResult,
+    TokenSeq,
+    all_unique,
+    as_token_array,
+)
 from radixkv.cache.block import Block, BlockChain
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
-from radixkv.cache.eviction import get_policy
-from radixkv.cache.free_queue import FreeQueue, PriorityFreeQueue
-from radixkv.cache.invariants import Require, requirer
+from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.free_queue import FreeQueue, PolicyFreeQueue
+from radixkv.cache.hash_block_checks import check_children_first, check_lock_counts, check_tree
+from radixkv.cache.invariants import requirer
 from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -51,8 +61,8 @@ class HashBlockCache:
         block_size: tokens per hashed block; only full blocks are cached.
         hash_algo: ``sha256`` (default), ``xxhash`` or ``builtin`` (see :mod:`radixkv.cache.block_hash`).
         eviction_policy: ``lru`` (vLLM's free queue: least recently released
-            first, O(1) per operation) or ``lfu``, ``fifo``, ``mru``, ``filo``
-            (a priority queue over the same statistics the radix tree keeps).
+            first, O(1) per operation) or any other name of :mod:`radixkv.cache.eviction` (or a fresh
+            ``EvictionPolicy``), which ranks blocks by the same statistics the radix tree keeps.
             Under every policy a block leaves only after its cached children.
 
     Costs (b = full blocks in the query): ``match_prefix`` hashes blocks until
@@ -75,15 +85,15 @@ class HashBlockCache:
 
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
-    def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str = "lru"):
+    def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str | EvictionPolicy = "lru"):
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = int(block_size)
         self._keys = BlockHasher(self.block_size, hash_algo, self.MEMO_ENTRIES, self.MEMO_CHAINS)
         self._hash = self._keys.hash  # the chain step, read on the lookup's hot path
-        self._priority = get_policy(eviction_policy)
+        self.policy = make_policy(eviction_policy).bind(self)
         self.hash_algo = hash_algo
-        self.eviction_policy = eviction_policy
+        self.eviction_policy = self.policy.name
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
@@ -99,10 +109,11 @@ class HashBlockCache:
             block.lock_count = block.own_lock_count = 0
         self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
-        if self.eviction_policy == "lru":
-            self._queue: FreeQueue | PriorityFreeQueue = FreeQueue()
+        self.policy.reset()
+        if type(self.policy) is EvictionPolicy:  # lru: vLLM's release-order queue
+            self._queue: FreeQueue | PolicyFreeQueue = FreeQueue()
         else:  # ranks by the blocks' own statistics: it must pass over a block whose children are cached
-            self._queue = PriorityFreeQueue(self._priority, waits=_HAS_CHILDREN)
+            self._queue = PolicyFreeQueue(self.policy, waits=_HAS_CHILDREN)
         self._protected_blocks = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -114,6 +125,28 @@ class HashBlockCache:
             self.listener(AllBlocksCleared())
 
     # ------------------------------------------------------------- sizes
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Seconds, for time-aware policies (the simulator sets its own)."""
+        return self.policy.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.policy.clock = clock
+
+    def parent_of(self, block: Block) -> Block | None:
+        """The cached block ``block`` chains from; None for a first block. O(1)."""
+        return self._blocks.get(block.parent_key)
+
+    def is_last_child(self, block: Block) -> bool:
+        """Whether ``block`` is the only cached block chaining from its parent. O(1)."""
+        parent = self._blocks.get(block.parent_key)
+        return parent is not None and parent.num_children == 1
+
+    def key_of(self, block: Block) -> BlockKey:
+        """The block's chained key, which names its whole prefix (for policies' ghost lists). O(1)."""
+        return block.key
+
     @property
     def total_size(self) -> int:
         """Tokens held in cached blocks."""
@@ -143,7 +176,7 @@ class HashBlockCache:
         return self._keys.chain(tokens, namespace)
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """Walk the block keys from the start; stop at the first miss. Hit blocks get their recency and hit
         count refreshed; with ``lru``, as in vLLM, a lookup alone leaves the free queue as it is (``lock`` and
         ``unlock`` move blocks), the other policies re-rank the hit blocks. O(hit blocks + 1) hashes, fewer
@@ -178,12 +211,15 @@ class HashBlockCache:
         hasher.remember(data, namespace, keys)
         if not hit:
             return MatchResult(0, _EMPTY.copy(), self.root)
+        if self.policy.observes:
+            self.policy.touched(hit, hints, True)
         self._queue.refresh(hit)
         length = len(hit) * self.block_size
         self._hit_tokens += length
         return MatchResult(length, np.concatenate([b.slots for b in hit]), BlockChain(tuple(hit)))
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int:
         """Cache every full block of ``tokens``; return how many leading tokens were cached already.
 
         The caller frees ``indices[k:returned]`` (k = what it matched) as duplicates; the cache takes the
@@ -210,14 +246,16 @@ class HashBlockCache:
                 break
             block.last_access = now
         if leading < nblocks:
-            self._add_chain(keys, leading, data, idx, namespace)
+            self._add_chain(keys, leading, data, idx, namespace, hints)
         elif self._queue.ranks_by_stats:  # their recency changed; lru's release-order queue ignores that
+            if self.policy.observes and leading:
+                self.policy.touched([blocks[h] for h in keys[:leading]], hints, False)
             self._queue.refresh([blocks[h] for h in keys[:leading]])
         hasher.remember(data, namespace, keys)
         return leading * self.block_size
 
     def _add_chain(self, keys: list[BlockKey], leading: int, data: bytes, idx: np.ndarray,
-                   namespace: Hashable) -> None:
+                   namespace: Hashable, hints: CacheHints) -> None:
         """Cache the blocks of ``keys[leading:]`` (none is cached: the first missing block ends every cached
         chain) below the cached ``keys[:leading]`` and queue them. O(new + requeued blocks)."""
         blocks, bs, now = self._blocks, self.block_size, self._clock
@@ -239,11 +277,16 @@ class HashBlockCache:
         new: list[Block] = []
         for i, h, slots in zip(range(leading, len(keys)), keys[leading:], rows, strict=True):
             block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now)
+            block.depth = i * bs
             blocks[h] = block
             new.append(block)
             parent_key = h
         for block in new[:-1]:
             block.num_children = 1
+        if self.policy.observes:
+            for block in new:
+                self.policy.inserted(block, hints)
+            self.policy.touched([blocks[h] for h in keys], hints, False)
         if requeue:
             self._queue.remove_many(requeue)
         self._queue.push_reversed(requeue + new)
@@ -312,6 +355,8 @@ class HashBlockCache:
             block = queue.pop()
             if block is None:
                 break
+            if self.policy.observes:
+                self.policy.evicted(block)
             if self.listener is not None:
                 self.listener(BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
             if victims is not None:
@@ -404,58 +449,14 @@ class HashBlockCache:
                     block)
             locked += block.lock_count > 0
             children.setdefault(block.parent_key, []).append(block)
-        self._check_tree(require, children)
-        self._check_lock_counts(require)
-        self._check_children_first(require)
+        check_tree(self._blocks, self._keys.seeds(), children, require)
+        check_lock_counts(self._blocks, require)
+        check_children_first(self._blocks, self._queue, require)
         require(len(self._queue) == len(self._blocks) - locked, "free queue size")
         require(locked == self._protected_blocks, "sizes: protected",
                 f"counted {locked} blocks, recorded {self._protected_blocks}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
         require(all_unique(self.held_slots()), "slot indices unique across the cache")
-
-    def _check_tree(self, require: Require, children: dict[BlockKey, list[Block]]) -> None:
-        """Every cached block hangs from a namespace's seed through cached blocks. O(blocks)."""
-        reached, stack = 0, self._keys.seeds()
-        while stack:
-            for block in children.get(stack.pop(), ()):
-                reached += 1
-                stack.append(block.key)
-        require(reached == len(self._blocks), "every block is reachable from its root",
-                f"{len(self._blocks) - reached} cached blocks hang from a block that is not cached")
-        for key, block in self._blocks.items():
-            require(block.num_children == len(children.get(key, ())), "child counts", block)
-
-    def _check_lock_counts(self, require: Require) -> None:
-        """Each block's lock_count is the sum of the own locks of the chains through it. O(locked handles x depth)."""
-        through: dict[BlockKey, int] = {}
-        for block in self._blocks.values():
-            require(block.own_lock_count >= 0, "own lock counts >= 0", block)
-            key, locks = block.key, block.own_lock_count
-            while locks and key in self._blocks:
-                through[key] = through.get(key, 0) + locks
-                key = self._blocks[key].parent_key
-        for key, block in self._blocks.items():
-            require(block.lock_count == through.get(key, 0), "lock_count = own locks of the handles through the block",
-                    block)
-
-    def _check_children_first(self, require: Require) -> None:
-        """``evict`` takes a block only after its cached children. O(blocks).
-
-        ``lru``: every queued block is ahead of its parent, so the head has no
-        cached child. Others: ``pop`` passes over a block with children, so
-        every unlocked leaf block must be ranked, or evict could get stuck.
-        """
-        if self._queue.ranks_by_stats:
-            ranked = self._queue.ranked()
-            for block in self._blocks.values():
-                if not block.lock_count and not block.num_children:
-                    require(block in ranked, "every unlocked leaf block is ranked", block)
-            return
-        position = {block: i for i, block in enumerate(self._queue)}
-        for block, i in position.items():
-            parent = self._blocks.get(block.parent_key)
-            if parent in position:
-                require(position[parent] > i, "children before parents in the free queue", block)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""

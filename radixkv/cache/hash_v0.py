@@ -50,12 +50,13 @@ to pin down how the two differ:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from radixkv.cache.base import LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.base import NO_HINTS, CacheHints, LockError, MatchResult, TokenSeq, all_unique, as_token_array
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
 from radixkv.cache.invariants import requirer
 from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
@@ -135,6 +136,7 @@ class HashV0Cache:
         self.block_size = int(block_size)
         self.eviction_policy = eviction_policy
         self.hash_algo = "builtin"
+        self.clock: Callable[[], float] = time.monotonic  # the protocol's; v0's evictor reads its own ticks
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
@@ -191,7 +193,7 @@ class HashV0Cache:
         return hash((prefix, namespace)), prefix
 
     # ------------------------------------------------------------- public
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """Hash block after block from the first; stop at the first hash not in the table.
 
         Hit blocks get the access stamp and a hit. O(L x (hit blocks + 1)) hashed tokens.
@@ -213,7 +215,8 @@ class HashV0Cache:
         self._hit_tokens += length
         return MatchResult(length, np.concatenate([b.slots for b in hit]), V0Chain(tuple(hit), self))
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int:
         """Cache every full block of ``tokens``; return how many leading tokens were cached already.
 
         The caller frees ``indices[k:returned]`` (k = what it matched) as

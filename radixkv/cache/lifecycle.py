@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import PrefixCache, TokenSeq, match_for_prefill
+from radixkv.cache.base import NO_HINTS, CacheHints, PrefixCache, TokenSeq, match_for_prefill
 from radixkv.memory import SlotAllocator
 
 
 def commit_prefix(cache: PrefixCache, allocator: SlotAllocator, tokens: TokenSeq, slots: np.ndarray,
-                  cached: int, node: Any, namespace: Hashable = None) -> tuple[Any, int, np.ndarray]:
+                  cached: int, node: Any, namespace: Hashable = None,
+                  hints: CacheHints = NO_HINTS) -> tuple[Any, int, np.ndarray]:
     """Cache the KV a running request has computed so far, keeping the request's lock on it.
 
     ``tokens`` are the request's leading tokens whose KV sits at
@@ -28,23 +29,23 @@ def commit_prefix(cache: PrefixCache, allocator: SlotAllocator, tokens: TokenSeq
     canonical slots from now on (it never points at freed duplicates) and
     moves the lock to the new node. Returns ``(node, cached, slots)``.
     """
-    already = cache.insert(tokens, slots[: len(tokens)], namespace)
+    already = cache.insert(tokens, slots[: len(tokens)], namespace, hints)
     allocator.free(slots[cached:already])
-    m = cache.match_prefix(tokens, namespace)
+    m = cache.match_prefix(tokens, namespace, hints)
     cache.lock(m.node)
     cache.unlock(node)
     return m.node, m.length, np.concatenate([m.indices, slots[m.length :]])
 
 
 def release_sequence(cache: PrefixCache, allocator: SlotAllocator, tokens: TokenSeq, slots: np.ndarray,
-                     cached: int, node: Any, namespace: Hashable = None) -> None:
+                     cached: int, node: Any, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> None:
     """A finished request's last step: cache ``tokens`` (KV at ``slots``), free what the cache did not take, unlock.
 
     The first ``cached`` slots are the cache's; of the rest, the duplicates of
     blocks the cache already held and the tail it does not keep (a partial
     page or block, or everything for ``NoPrefixCache``) go back to ``allocator``.
     """
-    already = cache.insert(tokens, slots, namespace)
+    already = cache.insert(tokens, slots, namespace, hints)
     allocator.free(slots[cached:already])  # duplicates of what the cache already held
     allocator.free(slots[max(cache.cacheable_length(len(tokens)), cached) :])  # what it did not take
     cache.unlock(node)
@@ -56,6 +57,7 @@ def serve_once(
     prompt: TokenSeq,
     output: Sequence[int] = (),
     namespace: Hashable = None,
+    hints: CacheHints = NO_HINTS,
 ) -> int:
     """Serve one request to completion and return how many prompt tokens hit the cache.
 
@@ -67,7 +69,7 @@ def serve_once(
     released blocks' place in the free queue).
     """
     prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
-    m = match_for_prefill(cache, prompt, namespace)
+    m = match_for_prefill(cache, prompt, namespace, hints)
     cache.lock(m.node)
     seq = np.concatenate([prompt, np.asarray(output[:-1], dtype=np.int64)]) if len(output) else prompt
     need = len(seq) - m.length
@@ -78,5 +80,5 @@ def serve_once(
     except BaseException:
         cache.unlock(m.node)
         raise
-    release_sequence(cache, allocator, seq, slots, m.length, m.node, namespace)
+    release_sequence(cache, allocator, seq, slots, m.length, m.node, namespace, hints)
     return m.length

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import MatchResult, TokenSeq, as_token_array
+from radixkv.cache.base import NO_HINTS, CacheHints, MatchResult, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
 from radixkv.cache.render import empty_tree
 
@@ -28,17 +29,19 @@ class NoPrefixCache:
 
     def __init__(self) -> None:
         self.root = ()
+        self.clock: Callable[[], float] = time.monotonic  # the protocol's; nothing here reads it
         self.listener: CacheListener | None = None  # the protocol's attribute; nothing is ever cached, so never called
         self.reset()
 
     def reset(self) -> None:
         self._queried_tokens = 0
 
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         self._queried_tokens += len(as_token_array(tokens))  # checked like the other caches' inputs
         return MatchResult(0, _EMPTY.copy(), self.root)
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int:
         if len(as_token_array(tokens)) != len(as_token_array(indices)):
             raise ValueError(f"tokens and indices differ in length: {len(tokens)} != {len(indices)}")
         return 0

@@ -22,25 +22,25 @@ Design notes, because they decide the speed:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import Evicted, LockError, MatchResult, TokenSeq, all_unique, as_token_array
-from radixkv.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    CacheListener,
-    block_hash,
-    block_hashes,
-    namespace_seed,
-    page_states,
+from radixkv.cache.base import (
+    NO_HINTS,
+    CacheHints,
+    Evicted,
+    LockError,
+    MatchResult,
+    TokenSeq,
+    all_unique,
+    as_token_array,
 )
-from radixkv.cache.eviction import get_policy
+from radixkv.cache.events import AllBlocksCleared, CacheListener
+from radixkv.cache.eviction import EvictionPolicy, PriorityPolicy, make_policy
 from radixkv.cache.invariants import requirer
+from radixkv.cache.radix_events import removed, stored
 from radixkv.cache.radix_node import RadixNode
 from radixkv.cache.render import empty_tree
 
@@ -54,16 +54,18 @@ class RadixCache:
     Args:
         page_size: slots (tokens) per KV page, the unit the tree matches in: matches and inserts are
             rounded down to whole pages, and edges always hold whole pages.
-        eviction_policy: ``lru``, ``lfu``, ``fifo``, ``mru`` or ``filo`` (:mod:`radixkv.cache.eviction`).
-        priority: the eviction priority of a leaf (smallest evicted first) in place of ``eviction_policy``'s,
-            which then only names it (``BeladyRadixCache`` passes its clairvoyant one). It is called with the
-            leaf whenever it becomes an eviction candidate and whenever a match, insert or split touches it
-            while it is one, so it may read the leaf's place in the tree; its cost adds to those calls'.
+        eviction_policy: a policy name of :mod:`radixkv.cache.eviction` (``lru`` by default) or a fresh
+            ``EvictionPolicy`` (``make_policy(name, **params)``), which orders the unlocked leaves.
+        priority: the eviction priority of a leaf (smallest evicted first) in place of a policy, which
+            ``eviction_policy`` then only names (``BeladyRadixCache`` passes its clairvoyant one). It is called
+            with the leaf whenever it becomes an eviction candidate and whenever a match, insert or split
+            touches it while it is one, so it may read the leaf's place in the tree; its cost adds to those.
 
     Costs (n = tokens in the query, d = depth of the matched path, N = nodes in the tree):
     ``match_prefix`` and ``insert`` are O(n) memcmp work plus O(d) Python steps, never a Python loop over
     tokens, plus O(L) copying where they split an edge of L tokens; ``lock``/``unlock`` are O(d); ``evict``
-    is O(k log N) for k removed leaves. A namespace's root goes when its last entry is evicted.
+    is O(k log N) for k removed leaves (the policy's own costs add to these). A namespace's root goes when its
+    last entry is evicted. ``clock`` (seconds, ``time.monotonic`` by default) is the policy's.
 
     >>> cache = RadixCache()
     >>> cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
@@ -79,13 +81,14 @@ class RadixCache:
 
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
-    def __init__(self, page_size: int = 1, eviction_policy: str = "lru",
+    def __init__(self, page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
                  priority: Callable[[RadixNode], float] | None = None):
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         self.page_size = int(page_size)
-        self.eviction_policy = eviction_policy
-        self._priority = get_policy(eviction_policy) if priority is None else priority
+        policy = make_policy(eviction_policy) if priority is None else PriorityPolicy(eviction_policy, priority)
+        self.policy = policy.bind(self)
+        self.eviction_policy = policy.name
         self._page_bytes = _ITEM * self.page_size
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
@@ -94,13 +97,12 @@ class RadixCache:
     def reset(self) -> None:
         """Drop everything: an empty tree, clock and statistics at zero. O(N): CPython frees the old nodes now."""
         self._clock = 0
-        self._seq = 0
         self.root = RadixNode(b"", _EMPTY, None, 0)
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
         self._namespace_of: dict[int, Hashable] = {id(self.root): None}  # id(root) -> its namespace
         self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
         self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
-        self._heap: list[tuple[float, int, RadixNode]] = []
+        self.policy.reset()
         self._num_nodes = 0
         self._total = 0
         self._protected = 0
@@ -108,6 +110,15 @@ class RadixCache:
         self._hit_tokens = 0
         if self.listener is not None:
             self.listener(AllBlocksCleared())
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Seconds, for time-aware policies (the simulator sets its own)."""
+        return self.policy.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.policy.clock = clock
 
     @property
     def total_size(self) -> int:
@@ -141,28 +152,29 @@ class RadixCache:
         return arr, arr[:usable].tobytes()
 
     def _push(self, node: RadixNode) -> None:
-        """Make ``node`` (an evictable leaf, or one whose priority changed) a heap candidate."""
-        self._seq += 1
-        node.stamp = self._seq
-        heapq.heappush(self._heap, (self._priority(node), self._seq, node))
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            self._compact_heap()
-
-    def _compact_heap(self) -> None:
-        # Amortized O(1) per push: runs only after the heap doubled past the node count.
-        # In place: ``evict`` holds a reference to the list while it pushes parents.
-        self._heap[:] = [e for e in self._heap if self._entry_is_live(e)]
-        heapq.heapify(self._heap)
+        """Make ``node`` (an evictable leaf, or one whose priority changed) a candidate of the policy."""
+        self.policy.push(node)
+        if self.policy.heap_size() > 2 * self._num_nodes + 64:
+            self.policy.compact(self._live)  # amortized O(1) per push: the heaps doubled past the node count
 
     @staticmethod
-    def _entry_is_live(entry: tuple[float, int, RadixNode]) -> bool:
-        node = entry[2]
-        return (
-            node.stamp == entry[1]
-            and node.parent is not None
-            and not node.children
-            and node.lock_count == 0
-        )
+    def _live(node: RadixNode) -> bool:  # an evictable leaf
+        return node.parent is not None and not node.children and node.lock_count == 0
+
+    @staticmethod
+    def parent_of(node: RadixNode) -> RadixNode | None:
+        """The node above ``node``; None below a root. O(1)."""
+        return node.parent if node.parent.parent is not None else None
+
+    @staticmethod
+    def is_last_child(node: RadixNode) -> bool:
+        """Whether ``node`` is its parent's only child. O(1)."""
+        return len(node.parent.children) == 1
+
+    def key_of(self, node: RadixNode) -> Hashable:
+        """A key naming ``node``'s prefix through its first page (for policies' ghost lists). O(depth + prefix)."""
+        path, root = node.path()
+        return hash((self._namespace_of[id(root)], b"".join(n.key for n in path[:-1]) + node.key[: self._page_bytes]))
 
     def _common_bytes(self, key: bytes, query: bytes, off: int) -> int:
         """Bytes (whole pages) that ``key`` shares with ``query[off:]``; key's first page is known to match."""
@@ -188,6 +200,9 @@ class RadixCache:
         upper.lock_count = child.lock_count
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
+        upper.depth, upper.user = child.depth, child.user
+        child.depth += ntok
+        self.policy.split(upper, child)
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[nbytes:]
         child.value = child.value[ntok:].copy()
@@ -217,13 +232,13 @@ class RadixCache:
         return self._namespace_of[id(node.path()[1])]
 
     # ----------------------------------------------------------------- public
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages).
 
         When the match ends inside an edge, that edge is split so that the
         returned node ends exactly at ``length``. Refreshes recency and hit
-        counts along the matched path. O(n) memcmp work + O(d) Python steps
-        (+ O(L) for a split edge of L tokens).
+        counts along the matched path (and tells the policy, with ``hints``). O(n) memcmp work + O(d) Python
+        steps (+ O(L) for a split edge of L tokens).
         """
         arr, query = self._key_of(tokens)
         self._queried_tokens += len(arr)
@@ -233,7 +248,7 @@ class RadixCache:
         if node is None:
             return MatchResult(0, _EMPTY.copy(), self.root)
         pb, end, off = self._page_bytes, len(query), 0
-        values = []
+        path = []
         while off < end:
             child = node.children.get(query[off : off + pb])
             if child is None:
@@ -246,17 +261,20 @@ class RadixCache:
             node = child
             node.last_access = now
             node.hit_count += 1
-            values.append(node.value)
+            path.append(node)
             if ends_inside:
                 break
+        if self.policy.observes and path:
+            self.policy.touched(path, hints, True)
         if node.parent is not None and not node.children and node.lock_count == 0:
             self._push(node)  # its priority changed
         length = off // _ITEM
         self._hit_tokens += length
-        indices = np.concatenate(values) if values else _EMPTY.copy()
+        indices = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
         return MatchResult(length, indices, node)
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int:
         """Store ``tokens[:L]`` with their slot indices, L = len rounded down to whole pages.
 
         Returns how many leading tokens were already cached. Existing values
@@ -275,6 +293,7 @@ class RadixCache:
         if node is None:
             return 0
         pb, end, off = self._page_bytes, len(query), 0
+        path = []
         while off < end:
             child = node.children.get(query[off : off + pb])
             if child is None:
@@ -287,17 +306,25 @@ class RadixCache:
             off += len(child.key)
             node = child
             node.last_access = now
+            path.append(node)
         if off < end:
             start, stop = off // _ITEM, end // _ITEM
             leaf = RadixNode(query[off:], idx[start:stop].copy(), node, now)
+            leaf.depth = start
             node.children[query[off : off + pb]] = leaf
             self._num_nodes += 1
             self._total += stop - start
+            if self.policy.observes:
+                self.policy.inserted(leaf, hints)
+                self.policy.touched([*path, leaf], hints, False)
             self._push(leaf)
             if self.listener is not None:
-                self._stored(node, leaf, namespace)
-        elif node.parent is not None and not node.children and node.lock_count == 0:
-            self._push(node)  # fully cached: its recency changed
+                stored(self, node, leaf, namespace)
+        else:
+            if self.policy.observes and path:
+                self.policy.touched(path, hints, False)
+            if node.parent is not None and not node.children and node.lock_count == 0:
+                self._push(node)  # fully cached: its recency changed
         return off // _ITEM
 
     def _check_attached(self, node: RadixNode, verb: str) -> None:
@@ -360,17 +387,18 @@ class RadixCache:
         back). O(k log N) for k removed leaves (plus stale heap entries skipped,
         amortized against the pushes that made them; + O(depth + path tokens) each with ``victims``).
         """
-        heap, pb = self._heap, self._page_bytes
+        policy, pb = self.policy, self._page_bytes
         freed: list[np.ndarray] = []
         count = 0
-        while count < num_tokens and heap:
-            entry = heapq.heappop(heap)
-            if not self._entry_is_live(entry):
-                continue
-            node = entry[2]
+        while count < num_tokens:
+            node = policy.pop(self._live)
+            if node is None:
+                break
+            if policy.observes:
+                policy.evicted(node)
             parent = node.parent
             if self.listener is not None:
-                self._removed(node)  # while it still hangs from its path
+                removed(self, node)  # while it still hangs from its path
             if victims is not None:
                 victims.append(self._evicted(node))
             del parent.children[node.key[:pb]]
@@ -410,36 +438,6 @@ class RadixCache:
                 self._push(node)
         self._protected = 0
 
-    # ----------------------------------------------------------------- events
-    def _state_at(self, node: RadixNode) -> int:
-        """The page-hash state at the end of ``node``'s edge (a root: its namespace's seed). Computed once per
-        node and kept (a split leaves the lower node's end, so its state, as it was). O(tokens of the path's
-        nodes without one)."""
-        path = []
-        while node.prefix_state is None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        if node.prefix_state is None:  # a root
-            node.prefix_state = namespace_seed(self._namespace_of[id(node)])
-        state = node.prefix_state
-        for below in reversed(path):
-            state = below.prefix_state = int(page_states(state, below.tokens, self.page_size)[-1])
-        return state
-
-    def _stored(self, parent: RadixNode, leaf: RadixNode, namespace: Hashable) -> None:
-        """Tell the listener about a new leaf's pages. O(depth + leaf tokens)."""
-        start = self._state_at(parent)
-        states = page_states(start, leaf.tokens, self.page_size)
-        leaf.prefix_state = int(states[-1])
-        first_parent = None if parent.parent is None else block_hash(start)
-        self.listener(BlockStored(block_hashes(states), first_parent, tuple(leaf.tokens.tolist()),
-                                         self.page_size, namespace))
-
-    def _removed(self, leaf: RadixNode) -> None:
-        """Tell the listener about an evicted leaf's pages (the whole leaf goes). O(depth + leaf tokens)."""
-        states = page_states(self._state_at(leaf.parent), leaf.tokens, self.page_size)
-        self.listener(BlockRemoved(block_hashes(states), self.namespace_of(leaf)))
-
     # ------------------------------------------------------------- inspection
     def _all_nodes(self) -> Iterator[RadixNode]:
         stack = list(self._roots.values())
@@ -453,7 +451,7 @@ class RadixCache:
         """Verify every structural invariant (the tree's structure, lock counts, sizes, heap and slots); raise
         ``AssertionError`` naming the broken one. O(N + tokens)."""
         require = requirer("RadixCache")
-        live = {id(e[2]) for e in self._heap if self._entry_is_live(e)}
+        live = self.policy.candidates()
         total = protected = nodes = 0
         for ns, root in self._roots.items():
             require(root.parent is None and not root.key and root.lock_count == 0, "root",

@@ -21,12 +21,13 @@ class RadixNode:
     per running request whose handle passes through it); ``own_lock_count``
     those held on this very node, so ``lock_count == own_lock_count + sum of
     the children's lock_count`` and only a node that was locked itself can be
-    unlocked.
+    unlocked. ``depth``, ``user`` and ``state`` are the eviction policy's
+    (:mod:`radixkv.cache.eviction.base`).
     """
 
     __slots__ = (
         "key", "value", "children", "parent", "lock_count", "own_lock_count",
-        "last_access", "hit_count", "created", "stamp", "prefix_state",
+        "last_access", "hit_count", "created", "stamp", "prefix_state", "depth", "user", "state",
     )
 
     def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
@@ -41,6 +42,9 @@ class RadixNode:
         self.created = now
         self.stamp = -1  # sequence number of this node's newest heap entry
         self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
+        self.depth = 0  # tokens before the edge (its prefix), for eviction policies
+        self.user: object = None  # the eviction policy's: the last request that used it
+        self.state: object = None  # the eviction policy's own record
 
     @property
     def tokens(self) -> np.ndarray:

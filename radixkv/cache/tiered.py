@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from radixkv.cache.base import Evicted, MatchResult, PrefixCache, TokenSeq, as_token_array
+from radixkv.cache.base import NO_HINTS, CacheHints, Evicted, MatchResult, PrefixCache, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
 from radixkv.memory import SlotAllocator
 
@@ -207,12 +207,25 @@ class TieredCache:
         """The device slots the cache holds (the lower tiers' are their allocators' business)."""
         return self.device.held_slots()
 
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None) -> MatchResult:
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The device tier's clock; setting it sets every tier's (a shared store keeps the first it got)."""
+        return self.device.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.device.clock = clock
+        for tier in self.tiers:
+            if not tier.shared:
+                tier.cache.clock = clock
+
+    def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """The device tier's longest match (``plan_load`` extends it); under ``write_through_selective`` an
         entry reached for the ``write_threshold``-th time is copied down. O(device match)."""
-        return self.device.match_prefix(tokens, namespace)
+        return self.device.match_prefix(tokens, namespace, hints)
 
-    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None) -> int:
+    def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
+               hints: CacheHints = NO_HINTS) -> int:
         """The device tier's insert; ``write_through`` first copies what the lower tiers lack (from
         ``indices``, which hold the KV now, duplicates included). Unequal lengths raise ``ValueError``
         before anything is copied, as the device's own check would, so no tier changes."""
@@ -222,7 +235,7 @@ class TieredCache:
             if len(arr) != len(idx):
                 raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
             self._write(arr, idx, namespace)
-        return self.device.insert(tokens, indices, namespace)
+        return self.device.insert(tokens, indices, namespace, hints)
 
     def evict(self, num_tokens: int) -> np.ndarray:
         """The device tier's eviction; ``write_back`` copies each evicted entry's prefix down first."""

@@ -10,7 +10,8 @@ entries when short. After the model (or the cost model) ran the step, ``commit``
 and inserts each finished prefill chunk into the cache (``commit_prefix``: the request moves onto the
 cache's slots and lock), and also each block filled while decoding for a cache that ``caches_during_decode``
 (hash-v0); ``finish`` caches a finished request's sequence and unlocks it
-(``release_sequence``).
+(``release_sequence``). Every one of those cache calls carries the request's ``CacheHints``
+(``RequestState.hints``: its priority and hold time, for the eviction policy).
 
 Sharing within a step: a request the policy held back because a prefill is computing the prefix it shares
 (in-batch prefix sharing) is admitted in the same step when a prefill chunk of that step computes the whole
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import MatchResult, PrefixCache, match_for_prefill
+from radixkv.cache.base import NO_HINTS, CacheHints, MatchResult, PrefixCache, match_for_prefill
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.tiered import TieredCache
 from radixkv.memory import SlotAllocator
@@ -70,7 +71,9 @@ class RequestState:
 
     ``slots`` hold the KV of its leading tokens: the first ``cached`` are the cache's own (locked through
     ``node``), the rest its own. ``computed`` leading tokens have their KV in the pool. ``hit`` is how many
-    prompt tokens the cache held at its first admission (-1 before).
+    prompt tokens the cache held at its first admission (-1 before). ``hints`` (its priority and hold time,
+    ``CacheHints``, with ``request`` its ``rid`` unless given) go with every cache call made for it: matches,
+    inserts, the commits and the release.
     """
 
     rid: int
@@ -83,6 +86,11 @@ class RequestState:
     hit: int = -1
     hit_by_tier: dict[str, int] = field(default_factory=dict)  # ``hit`` by the tier it came from
     finished: bool = False  # its output is out: ``recover`` drops it instead of queueing it again
+    hints: CacheHints = NO_HINTS
+
+    def __post_init__(self) -> None:
+        if self.hints.request is None:  # the policies count reuse per request: this one is ``rid``
+            self.hints = self.hints._replace(request=self.rid)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -107,7 +115,9 @@ class Scheduler:
     ``max_batch_tokens`` and ``chunked_prefill_size`` may be ``math.inf`` (no limit: a prompt is prefilled
     whole when admitted). ``stats`` counts admissions (``prompt_tokens``, ``cached_tokens`` at a request's
     first admission), ``evicted_tokens`` and ``evictions`` (times memory pressure evicted), ``preemptions``,
-    and the tokens ``commit`` advanced (``prefill_tokens``, ``decode_tokens``).
+    and the tokens ``commit`` advanced (``prefill_tokens``, ``decode_tokens``). ``on_first_admit`` (None, or
+    settable later) is called with each request at its first admission, once ``hit`` and ``hit_by_tier``
+    are set and counted in ``stats`` (the engine adds up the prefill time its hits saved there).
     """
 
     def __init__(self, cache: PrefixCache, allocator: SlotAllocator, policy: SchedulePolicy, *, max_running: int,
@@ -122,6 +132,7 @@ class Scheduler:
         self.stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "prefill_tokens", "decode_tokens",
                                     "evicted_tokens", "evictions", "preemptions"), 0)
         self.hit_by_tier: dict[str, int] = {}  # ``cached_tokens`` by tier (a ``TieredCache``'s lower tiers)
+        self.on_first_admit: Callable[[RequestState], None] | None = None
 
     def add(self, state: RequestState) -> None:
         """Queue a request (it waits behind the others)."""
@@ -190,7 +201,7 @@ class Scheduler:
                 s.computed += n
                 self.stats["prefill_tokens"] += n
                 s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, s.prompt[: s.computed],
-                                                          s.slots, s.cached, s.node, s.namespace)
+                                                          s.slots, s.cached, s.node, s.namespace, s.hints)
             else:
                 s.computed += decode_tokens
                 self.stats["decode_tokens"] += decode_tokens
@@ -203,7 +214,7 @@ class Scheduler:
         (the simulator's, which draws them at finish) caches them at finish instead, with the same result."""
         if len(s.tokens) >= s.computed and self.cache.cacheable_length(s.computed) > s.cached:
             s.node, s.cached, s.slots = commit_prefix(self.cache, self.allocator, s.tokens[: s.computed], s.slots,
-                                                      s.cached, s.node, s.namespace)
+                                                      s.cached, s.node, s.namespace, s.hints)
 
     def extend_decodes(self, states: Sequence[RequestState], tokens: int) -> bool:
         """``tokens`` more KV slots for each decoding request, all or none, without evicting (a stride of
@@ -221,7 +232,7 @@ class Scheduler:
     def finish(self, state: RequestState, sequence: Sequence[int]) -> None:
         """A finished request: cache ``sequence`` (its tokens whose KV was computed), free the rest, unlock."""
         release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
-                         state.node, state.namespace)
+                         state.node, state.namespace, state.hints)
         self.running.remove(state)
 
     def abort(self, s: RequestState) -> None:
@@ -229,7 +240,8 @@ class Scheduler:
         at finish, the rest of its slots freed, its lock released."""
         if s in self.running:
             n = min(s.computed, len(s.tokens))  # the simulator's records know their prompt only
-            release_sequence(self.cache, self.allocator, s.tokens[:n], s.slots[:n], s.cached, s.node, s.namespace)
+            release_sequence(self.cache, self.allocator, s.tokens[:n], s.slots[:n], s.cached, s.node, s.namespace,
+                             s.hints)
             self.allocator.free(s.slots[max(n, s.cached) :])
             self.running.remove(s)
         if s in self.waiting:
@@ -265,7 +277,7 @@ class Scheduler:
             return [], []
         if self.policy.name == "fcfs":  # arrival order: the queue's own (a preempted request at its front)
             return list(self.waiting), []
-        cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace)
+        cands = [Candidate(s, np.asarray(s.prompt), match_for_prefill(self.cache, s.prompt, s.namespace, s.hints)
                            if self.policy.needs_match else None, s.rid, s.namespace) for s in self.waiting]
         # the running prefills, whose chunks will cache what they share with waiting requests
         in_flight = [Candidate(s, np.asarray(s.prompt), None, s.rid, s.namespace) for s in self.running
@@ -281,7 +293,7 @@ class Scheduler:
         is short (nothing changed then but the eviction). ``lend``: a prefill of this step and how many leading
         tokens of ``s`` it computes, whose slots ``s`` takes as its cached prefix where they reach past the
         cache's match."""
-        m = match_for_prefill(self.cache, s.prompt, s.namespace)  # again: earlier admissions may have evicted
+        m = match_for_prefill(self.cache, s.prompt, s.namespace, s.hints)  # again: earlier admissions may have evicted
         self.cache.lock(m.node)
         tiers = {"device": m.length}
         if isinstance(self.cache, TieredCache):
@@ -307,6 +319,8 @@ class Scheduler:
             self.stats["cached_tokens"] += s.cached
             for tier, n_hit in s.hit_by_tier.items():
                 self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n_hit
+            if self.on_first_admit is not None:
+                self.on_first_admit(s)
         return n
 
     def _first_slots(self, s: RequestState, cached: int, budget: float) -> tuple[int, int]:

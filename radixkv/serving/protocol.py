@@ -2,7 +2,9 @@
 
 Fields follow the OpenAI API, with vLLM's choices where it is silent: ``top_k``, ``ignore_eos`` and
 ``min_tokens`` are accepted extras (``min_tokens`` above 0 is refused: not supported), ``n`` must be 1,
-``stop`` holds strings. Unknown fields are ignored, as OpenAI does.
+``stop`` holds strings. ``priority`` (an integer, vLLM's extra; 0 by default) is the request's priority for
+the prefix cache (``SamplingParams.priority``: larger is kept longer by the ``priority`` eviction policy);
+anything but an integer is a 400. Unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     return_token_ids: StrictBool = False  # vLLM's extra: the prompt's and the completion's token ids
+    priority: StrictInt = 0  # vLLM's extra: the request's priority for the prefix cache's eviction
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters (``ValueError`` for what it refuses)."""
@@ -42,7 +45,8 @@ class _Sampling(BaseModel):
         if self.min_tokens:
             raise ValueError("min_tokens is not supported (only 0)")
         return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos)
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos,
+                              priority=self.priority)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -88,6 +88,11 @@ class ClusterResult:
         return [r.computed_tokens for r in self.replicas]
 
     @property
+    def saved_prefill_s(self) -> float:
+        """Prefill seconds the replicas' caches saved under the cost model (``SimResult.saved_prefill_s``), summed."""
+        return sum(r.saved_prefill_s for r in self.replicas)
+
+    @property
     def imbalance(self) -> float:
         """Max over mean of the replicas' computed prompt tokens (1.0: perfectly even)."""
         c = self.computed_tokens
@@ -126,7 +131,7 @@ class ClusterResult:
                "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts),
                "hit_rate_by_tier": self.hit_rate_by_tier,
                **{k: sum(getattr(r, k) for r in self.replicas) for k in ("load_seconds", "loaded_tokens",
-                                                                         "written_tokens")}}
+                                                                         "written_tokens", "saved_prefill_s")}}
         for name, value in self.references.items():
             out[name] = value
             out[f"share_of_{name}"] = self.hit_rate / value if value else 0.0

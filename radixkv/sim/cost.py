@@ -128,6 +128,16 @@ class CostModel:
     def prefill_time(self, new_tokens: int, prefix_len: int) -> float:
         return self.prefill_per_token * new_tokens + self.attention_per_pair * causal_pairs(new_tokens, prefix_len)
 
+    def saved_prefill_time(self, prompt_len: int, hit: int) -> float:
+        """Seconds of prefill a request of ``prompt_len`` tokens saved by finding ``hit`` of them cached:
+        ``prefill_time(n, 0) - prefill_time(n - h, h)``, which is ``prefill_per_token * h`` plus the
+        attention among the cached tokens, ``attention_per_pair * h (h + 1) / 2``.
+
+        >>> CostModel(prefill_per_token=1.0, attention_per_pair=0.5).saved_prefill_time(10, 4)
+        9.0
+        """
+        return self.prefill_time(prompt_len, 0) - self.prefill_time(prompt_len - hit, hit)
+
     def decode_time(self, batch: int) -> float:
         return self.decode_step + self.decode_per_seq * batch if batch else 0.0
 

@@ -20,6 +20,11 @@ engine, and hits can differ (``preemption=True`` allocates as the engine
 does). A request is sent at its arrival, or ``think_time`` after its
 ``parent`` and every request of its ``after`` have finished.
 
+The cache reads simulated time: before the replay its ``clock`` is set to the replica's simulated seconds,
+whether the simulator built it or the caller handed it in (``cache=obj``), so time-aware eviction (``ttl``)
+decides the same in both; each request's ``priority`` and ``ttl`` go with every cache call made for it
+(``CacheHints``). ``SimResult.saved_prefill_s`` prices the hits in prefill seconds under the cost model.
+
 ``simulate`` is the cluster loop of ``radixkv.sim.cluster`` with one replica: the same code, so N = 1
 there is this, request for request and step for step. Its settings are
 one ``StackConfig`` (``radixkv.stack``; ``SIMULATOR_DEFAULTS`` unless ``config`` is given) with keyword

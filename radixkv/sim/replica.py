@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.cache.base import CacheHints
 from radixkv.cache.belady import BeladyRadixCache
 from radixkv.cache.tiered import TieredCache
 from radixkv.scheduling import RequestState, Scheduler, causal_pairs
@@ -31,6 +32,11 @@ class SimResult:
     ``steps`` holds one ``(prefill_tokens, attention_pairs, decodes, repeats)``
     per scheduled step, in the terms of ``StepRecord`` (``repeats`` > 1 for a
     stride of identical decode-only steps).
+
+    ``saved_prefill_s``: the prefill seconds the cache saved under the cost model, summed over the served
+    requests: for a prompt of n tokens whose admission hit h (from every tier),
+    ``cost.prefill_time(n, 0) - cost.prefill_time(n - h, h)`` (``CostModel.saved_prefill_time``); each
+    request's row holds its own.
     """
 
     prompt_tokens: int = 0
@@ -44,6 +50,7 @@ class SimResult:
     load_seconds: float = 0.0
     loaded_tokens: int = 0  # from lower tiers into the device
     written_tokens: int = 0  # from the device into lower tiers
+    saved_prefill_s: float = 0.0  # prefill seconds the hits saved (``CostModel.saved_prefill_time``)
     config: dict = field(default_factory=dict)
     per_request: list[dict] = field(default_factory=list)
     steps: list[tuple[int, float, int, int]] = field(default_factory=list)
@@ -73,6 +80,7 @@ class SimResult:
             "preemptions": self.preemptions, "rejected": self.rejected, "makespan": self.makespan, **stats,
             "hit_rate_by_tier": self.hit_rate_by_tier, "load_seconds": self.load_seconds,
             "loaded_tokens": self.loaded_tokens, "written_tokens": self.written_tokens,
+            "saved_prefill_s": self.saved_prefill_s,
         }
 
 
@@ -163,6 +171,11 @@ class Replica:
         self.now = 0.0
         self.future = self.cache.future if isinstance(self.cache, BeladyRadixCache) else None
         self.tiered = isinstance(self.cache, TieredCache)
+        self.cache.clock = self.clock  # time-aware eviction reads the simulated seconds, built or handed in alike
+
+    def clock(self) -> float:
+        """The replica's simulated seconds: what its cache's ``clock`` reads."""
+        return self.now
 
     @property
     def busy(self) -> bool:
@@ -173,12 +186,14 @@ class Replica:
         if len(req.prompt) + req.output_len - 1 > self.alloc.capacity:
             self._reject(req)
         else:
-            self.scheduler.add(Running(req.rid, req.prompt, req.namespace, req=req, ready=self.feed.ready_at[req.rid]))
+            self.scheduler.add(Running(req.rid, req.prompt, req.namespace, hints=CacheHints(req.priority, req.ttl),
+                                       req=req, ready=self.feed.ready_at[req.rid]))
 
     def _reject(self, req: Request) -> None:
         self.result.rejected += 1
         self.result.per_request.append({"rid": req.rid, "session": req.session, "rejected": True,
-                                        "prompt_len": len(req.prompt), "hit": 0, "ttft": math.nan, **req.meta})
+                                        "prompt_len": len(req.prompt), "hit": 0, "saved_prefill_s": 0.0,
+                                        "ttft": math.nan, **req.meta})
         if self.future is not None:
             self.future.served(req.rid)
         self.feed.release(req.rid, self.now)
@@ -190,15 +205,17 @@ class Replica:
         seq = np.concatenate([req.prompt, output_tokens(req, self.feed.fresh)[:-1]])
         self.scheduler.finish(run, seq)
         n = len(req.prompt)
+        saved = self.cost.saved_prefill_time(n, run.hit)  # every tier's hits: none of them was computed
         self.result.per_request.append({
             "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,
-            "hit_by_tier": dict(run.hit_by_tier),
+            "hit_by_tier": dict(run.hit_by_tier), "saved_prefill_s": saved,
             "computed": n - run.hit, "output_len": req.output_len, "ready": run.ready, "admitted": run.admitted,
             "first_token": run.first_token, "finish": self.now, "ttft": run.first_token - run.ready,
             "latency": self.now - run.ready, **req.meta,
         })
         self.result.prompt_tokens += n
         self.result.hit_tokens += run.hit
+        self.result.saved_prefill_s += saved
         for tier, hits in run.hit_by_tier.items():
             self.result.hit_tokens_by_tier[tier] = self.result.hit_tokens_by_tier.get(tier, 0) + hits
         self.result.computed_tokens += n - run.hit

@@ -35,6 +35,11 @@ class Request:
         after: ``rid``s of other requests that must also have finished before
             this one is sent: a barrier, as when a client sends the next turn
             of every session together (the engine's ``generate`` per turn).
+        priority: the request's priority for the cache (larger is kept longer by
+            the ``priority`` eviction policy), an int; ``SamplingParams.priority``'s.
+        ttl: seconds the cache should hold the prefix this request leaves once it
+            finishes (the ``ttl`` eviction policy; None: the policy's default).
+            ``priority`` and ``ttl`` reach the cache as its ``CacheHints``.
     """
 
     arrival: float
@@ -48,6 +53,8 @@ class Request:
     rid: int = -1
     meta: dict = field(default_factory=dict)
     after: tuple[int, ...] = ()
+    priority: int = 0
+    ttl: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -61,7 +68,9 @@ class Request:
                   (is_int(self.output_len) and self.output_len >= 1, "output_len", "an integer >= 1"),
                   (is_real(self.think_time) and self.think_time >= 0, "think_time", "a finite number >= 0"),
                   (self.parent is None or is_int(self.parent), "parent", "None or a request id (int)"),
-                  (is_int(self.rid), "rid", "an integer")]
+                  (is_int(self.rid), "rid", "an integer"),
+                  (is_int(self.priority), "priority", "an integer"),
+                  (self.ttl is None or (is_real(self.ttl) and self.ttl >= 0), "ttl", "None or a finite number >= 0")]
         for ok, name, what in checks:
             if not ok:
                 raise ValueError(f"invalid Request: {name} must be {what}, got {getattr(self, name)!r}")
@@ -69,6 +78,8 @@ class Request:
             hash(self.namespace)
         except TypeError:
             raise ValueError(f"invalid Request: namespace must be hashable, got {self.namespace!r}") from None
+        self.priority = int(self.priority)
+        self.ttl = None if self.ttl is None else float(self.ttl)
         self.prompt = _token_ids(self.prompt, "prompt")
         if self.output is not None:
             self.output = _token_ids(self.output, "output")

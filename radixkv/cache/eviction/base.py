@@ -1,0 +1,213 @@
+"""``EvictionPolicy``: what a prefix cache asks when it must free memory, and the classical policies.
+
+A policy object serves one cache (``bind``). The cache hands it **candidates**: ``push(entry)`` whenever an
+entry may be evicted next (an unlocked radix leaf, an unlocked hash block) or its statistics changed while
+it may; ``pop(live)`` returns the next victim among the pushed entries that are still ``live`` (the cache's
+own test: still a leaf, still unlocked). Entries are the caches' own records (``RadixNode``, ``Block``), and a
+policy reads only what every entry carries:
+
+* ``last_access`` / ``created``: ticks of the cache's logical clock (one per match, insert or release);
+* ``hit_count``: matches through the entry (SGLang counts them the same way, per lookup);
+* ``depth``: cached tokens before the entry (its prefix); ``len(entry)``: its own tokens;
+* ``user``: the ``CacheHints.request`` of the last request that used it, for policies that count reuse
+  per request (``reused``);
+* ``state``: a slot the policy owns (a segment, a hold time, a learned feature), None until it writes it;
+* ``stamp``: the policy's bookkeeping for its lazy heaps.
+
+A policy that needs more than these (``observes = True``) is also told what happens to entries, with the
+request's ``CacheHints`` and the cache's ``clock`` (seconds): ``inserted`` (a new entry), ``touched`` (the
+entries of a matched or inserted path, root side first), ``split`` (a radix edge cut in two: the new upper
+entry and the old lower one) and ``evicted`` (an entry leaving, still in place). That is all it ever sees:
+no policy here but Belady's reference knows a future request.
+
+Costs: ``push`` O(log n); ``pop`` O(log n) amortized (stale heap entries are skipped, each paid for by the
+push that made it); a policy's hooks say their own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from radixkv.cache.base import CacheHints
+
+Live = Callable[[Any], bool]
+Entry = Any  # a RadixNode or a Block
+
+CLOCK_SPAN = float(1 << 40)  # logical clocks stay below this, so class * span + clock orders by class first
+
+
+class LazyHeap:
+    """Entries ordered by a number, smallest first, ties by push order. Re-pushing an entry makes its older
+    heap items stale (its ``stamp`` moves on); stale and no-longer-live items are dropped as they surface.
+    The ``stamp`` counter is shared by every heap of one policy, so an entry lives in one heap at a time."""
+
+    def __init__(self, owner: EvictionPolicy):
+        self.items: list[tuple[float, int, Entry]] = []
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, entry: Entry, key: float) -> None:  # O(log n)
+        heapq.heappush(self.items, (key, self._owner.next_stamp(entry), entry))
+
+    def pop(self, live: Live) -> tuple[float, Entry] | None:
+        """The smallest live item (its key and entry), removed; None when none is left. O(log n) amortized."""
+        items = self.items
+        while items:
+            key, seq, entry = heapq.heappop(items)
+            if entry.stamp == seq and live(entry):
+                return key, entry
+        return None
+
+    def peek_key(self, live: Live) -> float | None:
+        """The smallest live key without removing it (stale items on top are dropped); None when empty."""
+        items = self.items
+        while items and not (items[0][2].stamp == items[0][1] and live(items[0][2])):
+            heapq.heappop(items)
+        return items[0][0] if items else None
+
+    def compact(self, live: Live) -> None:  # O(n): keeps the heap within a constant of the live entries
+        self.items[:] = [i for i in self.items if i[2].stamp == i[1] and live(i[2])]
+        heapq.heapify(self.items)
+
+    def entries(self) -> Iterable[Entry]:
+        return (i[2] for i in self.items if i[2].stamp == i[1])
+
+
+class EvictionPolicy:
+    """Least recently used first (SGLang's and vLLM's default). Subclasses change ``priority`` (one heap, the
+    smallest evicted first) or the candidate structure (``push`` / ``pop``), and the hooks they observe."""
+
+    name = "lru"
+    observes = False  # whether the cache calls inserted / touched / split / evicted
+
+    def __init__(self) -> None:
+        self.clock: Callable[[], float] = time.monotonic
+        self.cache: Any = None
+        self._seq = 0
+        self.reset()
+
+    def bind(self, cache: Any) -> EvictionPolicy:
+        """Serve ``cache`` (a policy serves one cache: its heaps hold that cache's entries)."""
+        self.cache = cache
+        return self
+
+    def reset(self) -> None:
+        """Forget every candidate and everything learned (the cache was emptied)."""
+        self.heap = LazyHeap(self)
+
+    def next_stamp(self, entry: Entry) -> int:
+        self._seq += 1
+        entry.stamp = self._seq
+        return self._seq
+
+    # -------------------------------------------------------------- candidates
+    def priority(self, entry: Entry) -> float:
+        """The entry's rank when pushed, smallest evicted first."""
+        return entry.last_access
+
+    def push(self, entry: Entry) -> None:
+        """``entry`` may be evicted from now on, or its statistics changed while it may. O(log n)."""
+        self.heap.push(entry, self.priority(entry))
+
+    def pop(self, live: Live) -> Entry | None:
+        """The next victim among the pushed, still ``live`` entries, removed from the candidates; None if none."""
+        item = self.heap.pop(live)
+        return None if item is None else item[1]
+
+    def heaps(self) -> Sequence[LazyHeap]:
+        return (self.heap,)
+
+    def heap_size(self) -> int:
+        """Items in the heaps, stale ones included (the cache compacts past 2 x its entries)."""
+        return sum(len(h) for h in self.heaps())
+
+    def compact(self, live: Live) -> None:
+        for heap in self.heaps():
+            heap.compact(live)
+
+    def candidates(self) -> set[int]:
+        """ids of the entries with a current heap item, for ``check_invariants``. O(heap)."""
+        return {id(e) for heap in self.heaps() for e in heap.entries()}
+
+    # ------------------------------------------------------------------- hooks
+    def inserted(self, entry: Entry, hints: CacheHints) -> None:
+        """A new entry joined the cache (before it is pushed)."""
+
+    def touched(self, entries: Sequence[Entry], hints: CacheHints, hit: bool) -> None:
+        """The entries of one matched (``hit``) or inserted path, root side first, after their statistics."""
+
+    def split(self, upper: Entry, lower: Entry) -> None:
+        """A radix edge was cut: ``upper`` is new, above ``lower``; both hold the old entry's history."""
+        upper.state = lower.state
+
+    def evicted(self, entry: Entry) -> None:
+        """``entry`` is leaving the cache (still in place: its prefix can be read)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The policy's name and parameters, as experiments record them."""
+        return {"name": self.name}
+
+
+class PriorityPolicy(EvictionPolicy):
+    """One heap ordered by ``priority_fn(entry)`` (the classical policies; Belady's clairvoyant reference)."""
+
+    def __init__(self, name: str, priority_fn: Callable[[Entry], float]):
+        self.name = name
+        self._fn = priority_fn
+        super().__init__()
+
+    def priority(self, entry: Entry) -> float:
+        return self._fn(entry)
+
+
+def _lfu(e: Entry) -> float:  # fewest hits first, ties by recency
+    return e.hit_count * CLOCK_SPAN + e.last_access
+
+
+CLASSICAL: dict[str, Callable[[Entry], float]] = {
+    "lfu": _lfu,
+    "fifo": lambda e: e.created,  # oldest created first
+    "mru": lambda e: -e.last_access,  # most recently used first
+    "filo": lambda e: -e.created,  # newest created first
+}
+
+
+class SLRU(EvictionPolicy):
+    """Segmented LRU as SGLang ships it: an entry hit at least ``protected_threshold`` times is protected;
+    every unprotected one goes first, each segment least recently used first. O(log n) per push and pop.
+
+    Args:
+        protected_threshold: hits (``hit_count``) that promote an entry, an integer >= 1 (default 2).
+    """
+
+    name = "slru"
+
+    def __init__(self, protected_threshold: int = 2):
+        check_param("slru", "protected_threshold", protected_threshold, 1, integer=True)
+        self.protected_threshold = protected_threshold
+        super().__init__()
+
+    def priority(self, entry: Entry) -> float:
+        return (entry.hit_count >= self.protected_threshold) * CLOCK_SPAN + entry.last_access
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "protected_threshold": self.protected_threshold}
+
+
+def reused(entry: Entry, hints: CacheHints) -> bool:
+    """Whether a match of ``entry`` with ``hints`` is a reuse: by another request than the last one that used
+    it (``entry.user``), or by an anonymous one (every anonymous lookup counts)."""
+    return hints.request is None or entry.user != hints.request
+
+
+def check_param(policy: str, name: str, value: object, minimum: float, integer: bool = False) -> None:
+    """``ValueError`` unless ``value`` is a (finite, or integer) number >= ``minimum``."""
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type or not (value == value and abs(value) != float("inf")) or value < minimum:
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{policy}: {name} must be {kind} >= {minimum}, got {value!r}")
