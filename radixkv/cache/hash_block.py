@@ -457,6 +457,7 @@ class HashBlockCache:
                 f"counted {locked} blocks, recorded {self._protected_blocks}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
         require(all_unique(self.held_slots()), "slot indices unique across the cache")
+        self.policy.check_invariants(list(self._blocks.values()), require)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""

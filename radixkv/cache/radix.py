@@ -469,6 +469,7 @@ class RadixCache:
         require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
         require(all_unique(self.held_slots()), "slot indices unique across the tree")
+        self.policy.check_invariants(list(self._all_nodes()), require)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The tree of one namespace as nested dicts, one per node (an empty root if it holds nothing), for

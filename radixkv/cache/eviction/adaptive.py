@@ -8,7 +8,7 @@ block's chained key) in ghost lists holding at most as many tokens as the cache 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from radixkv.cache.base import CacheHints
@@ -98,6 +98,12 @@ class ARC(EvictionPolicy):
         self.sizes[entry.state] -= len(entry)
         self.ghosts[entry.state].add(self.cache.key_of(entry), len(entry), self.cache.total_size)
 
+    def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
+        counted = [sum(len(e) for e in entries if e.state == i) for i in (0, 1)]
+        require(counted == self.sizes, "arc: T1 and T2 sizes", f"counted {counted}, recorded {self.sizes}")
+        require(all(e.state in (0, 1) for e in entries), "arc: every entry in T1 or T2")
+        require(all(g.tokens == sum(g.keys.values()) for g in self.ghosts), "arc: ghost sizes")
+
 
 class S3FIFO(EvictionPolicy):
     """S3-FIFO (Yang et al., SOSP'23): a small FIFO queue for new entries, a main one, and a ghost queue.
@@ -175,6 +181,12 @@ class S3FIFO(EvictionPolicy):
         self.sizes[queue] -= len(entry)
         if queue == 0:
             self.ghosts.add(self.cache.key_of(entry), len(entry), self.cache.total_size)
+
+    def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
+        counted = [sum(len(e) for e in entries if e.state[0] == q) for q in (0, 1)]
+        require(counted == self.sizes, "s3fifo: S and M sizes", f"counted {counted}, recorded {self.sizes}")
+        require(all(0 <= e.state[1] <= 3 for e in entries), "s3fifo: frequencies in [0, 3]")
+        require(self.ghosts.tokens == sum(self.ghosts.keys.values()), "s3fifo: ghost size")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "small_ratio": self.small_ratio}

@@ -152,6 +152,10 @@ class EvictionPolicy:
         """The policy's name and parameters, as experiments record them."""
         return {"name": self.name}
 
+    def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
+        """The policy's own books against the cache's ``entries`` (every one it holds); ``require(ok, what,
+        detail)`` fails. The caches' ``check_invariants`` call it. O(entries)."""
+
 
 class PriorityPolicy(EvictionPolicy):
     """One heap ordered by ``priority_fn(entry)`` (the classical policies; Belady's clairvoyant reference)."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from radixkv.cache.base import CacheHints
@@ -171,6 +171,11 @@ class Learned(EvictionPolicy):
             return None
         self._ghost_tokens -= ghost[1]
         return ghost[0]
+
+    def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
+        require(all(isinstance(e.state, Record) for e in entries), "learned: every entry has its record")
+        require(self._ghost_tokens == sum(size for _, size in self.ghosts.values()), "learned: ghost tokens")
+        require(sum(self.starts) >= 0 and min(self.reuses) >= 0, "learned: counts")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "horizon": self.horizon, "gap_edges": self.gap_edges,
