@@ -6,6 +6,8 @@ Also: no policy leaks slots or locks at idle, under pressure, in the simulator a
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from radixkv.cache.eviction import POLICIES
@@ -18,8 +20,8 @@ def _workload():
     """Conversations with a shared system prompt, priorities and hold times varying by session."""
     requests = multi_turn(seed=3, sessions=24, turns=4, session_gap=0.5, think_time=1.0)
     for r in requests:
-        r.priority = hash(str(r.session)) % 3
-        r.ttl = 2.0 if hash(str(r.session)) % 2 else None
+        r.priority = zlib.crc32(str(r.session).encode()) % 3  # stable across processes, unlike hash()
+        r.ttl = 2.0 if zlib.crc32(str(r.session).encode()) % 2 else None
     return requests
 
 

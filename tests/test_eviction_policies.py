@@ -172,3 +172,38 @@ def test_a_policy_object_is_used_as_given():
     assert cache.policy is policy and policy.cache is cache
     with pytest.raises(ValueError):
         make_policy(policy, ttl=4)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_one_eviction_of_two_entries_is_two_evictions_of_one(kind):
+    """A policy reading the cache's size while evict runs sees it shrink victim by victim (the tree once
+    updated it only after the loop, so S3-FIFO's small-queue test saw a stale total)."""
+    def run(chunks):
+        cache = make_cache(kind, page_size=1, block_size=1, eviction_policy="s3fifo",
+                           eviction_params={"small_ratio": 0.5})
+        slot = 0
+        for tokens in ([1], [2]):
+            slot = _serve(cache, tokens * 10, slot)
+        cache.evict(20)
+        for tokens in ([1], [2], [3], [4], [5]):  # 1 and 2 come back as ghosts: main queue
+            slot = _serve(cache, tokens * 10, slot)
+        return sorted(np.concatenate([cache.evict(20 // chunks) for _ in range(chunks)]).tolist())
+    assert run(1) == run(2)
+
+
+def test_arc_grows_p_by_the_ghost_lists_before_the_hit_leaves_them():
+    cache = RadixCache(eviction_policy="arc")
+    policy = cache.policy
+    policy.ghosts[0].add("a", 16, 10**6)  # B1
+    policy.ghosts[1].add("b", 128, 10**6)  # B2
+    policy._peak = 10**6
+    cache.key_of = lambda entry: "a"  # the next insert is found in B1 (16 tokens; B2 holds 128)
+    _serve(cache, list(range(16)), 0)
+    assert policy.p == 16 * (128 / 16)
+
+
+def test_a_policy_serves_one_cache():
+    policy = make_policy("arc")
+    RadixCache(eviction_policy=policy)
+    with pytest.raises(ValueError, match="another cache"):
+        RadixCache(eviction_policy=policy)

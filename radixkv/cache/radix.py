@@ -22,6 +22,7 @@ Design notes, because they decide the speed:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -174,7 +175,8 @@ class RadixCache:
     def key_of(self, node: RadixNode) -> Hashable:
         """A key naming ``node``'s prefix through its first page (for policies' ghost lists). O(depth + prefix)."""
         path, root = node.path()
-        return hash((self._namespace_of[id(root)], b"".join(n.key for n in path[:-1]) + node.key[: self._page_bytes]))
+        prefix = b"".join(n.key for n in path[:-1]) + node.key[: self._page_bytes]
+        return self._namespace_of[id(root)], hashlib.blake2b(prefix, digest_size=16).digest()
 
     def _common_bytes(self, key: bytes, query: bytes, off: int) -> int:
         """Bytes (whole pages) that ``key`` shares with ``query[off:]``; key's first page is known to match."""
@@ -202,13 +204,13 @@ class RadixCache:
         upper.hit_count = child.hit_count
         upper.depth, upper.user = child.depth, child.user
         child.depth += ntok
-        self.policy.split(upper, child)
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[nbytes:]
         child.value = child.value[ntok:].copy()
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
+        self.policy.split(upper, child)
         if not child.children and child.lock_count == 0:
             self._push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
         return upper
@@ -405,12 +407,12 @@ class RadixCache:
             node.parent = None
             freed.append(node.value)
             count += len(node.value)
+            self._total -= len(node.value)  # per victim: a policy may read total_size while evict runs
             self._num_nodes -= 1
             if not parent.children and parent.parent is not None and parent.lock_count == 0:
                 self._push(parent)
             elif not parent.children and parent is not self.root and parent.parent is None:
                 self._drop_root(parent)
-        self._total -= count
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def _evicted(self, leaf: RadixNode) -> Evicted:  # its whole prefix, still in the tree: O(depth + tokens)

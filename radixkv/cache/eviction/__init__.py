@@ -25,6 +25,7 @@ learned    an online estimate of each entry's reuse, learned from the cache's ow
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -63,9 +64,10 @@ def make_policy(name: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
     if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
     try:
-        return POLICIES[name](**params)
+        inspect.signature(POLICIES[name]).bind(**params)
     except TypeError as e:  # an unknown parameter name
         raise ValueError(f"eviction policy {name!r}: {e}") from None
+    return POLICIES[name](**params)
 
 
 __all__ = ["POLICIES", "EvictionPolicy", "PriorityPolicy", "make_policy"]

@@ -2,7 +2,7 @@
 
 Both count queue sizes in tokens over every entry the cache holds (locked and inner ones too), and remember
 evicted entries by their prefix key (``cache.key_of``: the radix path through the entry's first page, a hash
-block's chained key) in ghost lists holding at most as many tokens as the cache does.
+block's chained key) in ghost lists holding at most as many tokens as the cache can (``capacity``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from radixkv.cache.eviction.base import Entry, EvictionPolicy, LazyHeap, Live, c
 
 
 class Ghosts:
-    """Keys of evicted entries with their sizes, oldest first, at most ``cache.total_size`` tokens in all."""
+    """Keys of evicted entries with their sizes, oldest first, at most the cache's capacity in tokens in all."""
 
     def __init__(self) -> None:
         self.keys: OrderedDict[Hashable, int] = OrderedDict()
@@ -54,6 +54,7 @@ class ARC(EvictionPolicy):
     observes = True
 
     def reset(self) -> None:
+        super().reset()
         self.lists = (LazyHeap(self), LazyHeap(self))  # T1, T2 candidates
         self.sizes = [0, 0]  # tokens held in T1, T2
         self.ghosts = (Ghosts(), Ghosts())  # B1, B2
@@ -75,11 +76,12 @@ class ARC(EvictionPolicy):
 
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         key, size, (b1, b2) = self.cache.key_of(entry), len(entry), self.ghosts
+        ratio = b2.tokens / max(b1.tokens, 1), b1.tokens / max(b2.tokens, 1)  # before the hit leaves its list
         if b1.take(key):
-            self.p = min(float(self.cache.total_size), self.p + size * max(1.0, b2.tokens / max(b1.tokens, 1)))
+            self.p = min(float(self.capacity()), self.p + size * max(1.0, ratio[0]))
             entry.state = 1
         elif b2.take(key):
-            self.p = max(0.0, self.p - size * max(1.0, b1.tokens / max(b2.tokens, 1)))
+            self.p = max(0.0, self.p - size * max(1.0, ratio[1]))
             entry.state = 1
         else:
             entry.state = 0
@@ -96,7 +98,7 @@ class ARC(EvictionPolicy):
 
     def evicted(self, entry: Entry) -> None:
         self.sizes[entry.state] -= len(entry)
-        self.ghosts[entry.state].add(self.cache.key_of(entry), len(entry), self.cache.total_size)
+        self.ghosts[entry.state].add(self.cache.key_of(entry), len(entry), self.capacity())
 
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         counted = [sum(len(e) for e in entries if e.state == i) for i in (0, 1)]
@@ -131,6 +133,7 @@ class S3FIFO(EvictionPolicy):
         super().__init__()
 
     def reset(self) -> None:
+        super().reset()
         self.queues = (LazyHeap(self), LazyHeap(self))  # S, M candidates by queue position
         self.sizes = [0, 0]
         self.ghosts = Ghosts()
@@ -180,7 +183,7 @@ class S3FIFO(EvictionPolicy):
         queue = entry.state[0]
         self.sizes[queue] -= len(entry)
         if queue == 0:
-            self.ghosts.add(self.cache.key_of(entry), len(entry), self.cache.total_size)
+            self.ghosts.add(self.cache.key_of(entry), len(entry), self.capacity())
 
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         counted = [sum(len(e) for e in entries if e.state[0] == q) for q in (0, 1)]

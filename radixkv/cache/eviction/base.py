@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from radixkv.cache.base import CacheHints
 
 Live = Callable[[Any], bool]
@@ -92,13 +94,22 @@ class EvictionPolicy:
         self.reset()
 
     def bind(self, cache: Any) -> EvictionPolicy:
-        """Serve ``cache`` (a policy serves one cache: its heaps hold that cache's entries)."""
+        """Serve ``cache``; ``ValueError`` if it already serves another (its heaps hold one cache's entries)."""
+        if self.cache is not None and self.cache is not cache:
+            raise ValueError(f"this {self.name} policy already serves another cache: make one per cache")
         self.cache = cache
         return self
 
     def reset(self) -> None:
         """Forget every candidate and everything learned (the cache was emptied)."""
         self.heap = LazyHeap(self)
+        self._peak = 0
+
+    def capacity(self) -> int:
+        """The most tokens the cache has held since ``reset``: its capacity once it has filled, which bounds
+        ghost lists (the cache itself is told no budget)."""
+        self._peak = max(self._peak, self.cache.total_size)
+        return self._peak
 
     def next_stamp(self, entry: Entry) -> int:
         self._seq += 1
@@ -169,8 +180,17 @@ class PriorityPolicy(EvictionPolicy):
         return self._fn(entry)
 
 
+MAX_CLASS = 4096  # class * CLOCK_SPAN + clock stays exact in a float (2**52) for |class| up to this
+
+
+def ranked(cls: int, clock: float) -> float:
+    """``cls`` first, then ``clock``, as one float (heaps compare plain numbers fastest); ``cls`` is clamped to
+    +-``MAX_CLASS`` so the clock keeps its precision."""
+    return max(-MAX_CLASS, min(cls, MAX_CLASS)) * CLOCK_SPAN + clock
+
+
 def _lfu(e: Entry) -> float:  # fewest hits first, ties by recency
-    return e.hit_count * CLOCK_SPAN + e.last_access
+    return ranked(e.hit_count, e.last_access)
 
 
 CLASSICAL: dict[str, Callable[[Entry], float]] = {
@@ -197,7 +217,7 @@ class SLRU(EvictionPolicy):
         super().__init__()
 
     def priority(self, entry: Entry) -> float:
-        return (entry.hit_count >= self.protected_threshold) * CLOCK_SPAN + entry.last_access
+        return ranked(entry.hit_count >= self.protected_threshold, entry.last_access)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "protected_threshold": self.protected_threshold}
@@ -211,7 +231,7 @@ def reused(entry: Entry, hints: CacheHints) -> bool:
 
 def check_param(policy: str, name: str, value: object, minimum: float, integer: bool = False) -> None:
     """``ValueError`` unless ``value`` is a (finite, or integer) number >= ``minimum``."""
-    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    ok_type = isinstance(value, int | np.integer) if integer else isinstance(value, int | float | np.number)
     if isinstance(value, bool) or not ok_type or not (value == value and abs(value) != float("inf")) or value < minimum:
         kind = "an integer" if integer else "a finite number"
         raise ValueError(f"{policy}: {name} must be {kind} >= {minimum}, got {value!r}")

@@ -76,9 +76,9 @@ class Learned(EvictionPolicy):
         check_param("learned", "prior", prior, 0.0)
         check_param("learned", "refit_every", refit_every, 1, integer=True)
         edges = list(gap_edges) if isinstance(gap_edges, list | tuple) else None
-        if not edges or any(isinstance(e, bool) or not isinstance(e, int | float) for e in edges) or \
-                edges != sorted(set(edges)):
-            raise ValueError(f"learned: gap_edges must be increasing numbers, got {gap_edges!r}")
+        if not edges or any(isinstance(e, bool) or not isinstance(e, int | float) or not 0 <= e < math.inf
+                                for e in edges) or edges != sorted(set(edges)):
+                raise ValueError(f"learned: gap_edges must be increasing finite numbers >= 0, got {gap_edges!r}")
         self.horizon, self.gap_edges, self.shared_matches = float(horizon), edges, shared_matches
         self.prior, self.refit_every = float(prior), refit_every
         super().__init__()
@@ -156,13 +156,14 @@ class Learned(EvictionPolicy):
             above = parent.state
             if above.cls != TAIL and self._class_of(above) != SHARED and record.turn >= above.turn:
                 above.cls, above.turn, above.born = record.cls, record.turn, record.born
+                self.push(parent)  # its rank changed (the hash cache would keep its old heap item)
 
     def _add_ghost(self, key: Hashable, record: Record, size: int) -> None:
         """Remember an evicted entry, the oldest forgotten past 8 x the cache's tokens. O(1) amortized."""
         self._take_ghost(key)
         self.ghosts[key] = (record, size)
         self._ghost_tokens += size
-        while self._ghost_tokens > 8 * max(self.cache.total_size, 1) and self.ghosts:
+        while self._ghost_tokens > 8 * max(self.capacity(), 1) and self.ghosts:
             self._ghost_tokens -= self.ghosts.popitem(last=False)[1][1]
 
     def _take_ghost(self, key: Hashable) -> Record | None:
@@ -175,7 +176,6 @@ class Learned(EvictionPolicy):
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         require(all(isinstance(e.state, Record) for e in entries), "learned: every entry has its record")
         require(self._ghost_tokens == sum(size for _, size in self.ghosts.values()), "learned: ghost tokens")
-        require(sum(self.starts) >= 0 and min(self.reuses) >= 0, "learned: counts")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "horizon": self.horizon, "gap_edges": self.gap_edges,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.eviction.base import CLOCK_SPAN, Entry, EvictionPolicy, LazyHeap, Live, check_param
+from radixkv.cache.eviction.base import CLOCK_SPAN, Entry, EvictionPolicy, LazyHeap, Live, check_param, ranked
 
 
 class Priority(EvictionPolicy):
@@ -21,7 +21,7 @@ class Priority(EvictionPolicy):
     observes = True
 
     def priority(self, entry: Entry) -> float:
-        return (entry.state or 0) * CLOCK_SPAN + entry.last_access
+        return ranked(entry.state or 0, entry.last_access)
 
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         entry.state = hints.priority
@@ -35,12 +35,12 @@ class TTL(EvictionPolicy):
     """Hold what a request leaves for a while (Continuum's idea for agents between tool calls).
 
     Every insert by a request (its prefill chunks, its whole sequence when it finishes) holds the inserted
-    path until ``clock() + ttl`` seconds, the request's ``CacheHints.ttl`` if it gives one, else ``ttl``.
-    A held entry is evicted only when no unheld one is left (then the earliest hold end first); unheld ones
-    go least recently used first. With one hold time for every request this orders entries exactly as LRU
-    does (the held ones are the most recently used); it differs where requests hold for different times,
-    as an agent framework that knows its tool calls would ask. O(log n) per push; a pop also moves the
-    entries whose hold lapsed to the unheld heap (each once per hold).
+    path until ``clock() + ttl`` seconds, the request's ``CacheHints.ttl`` if it gives one, else ``ttl``;
+    a match does not extend a hold. A held entry is evicted only when no unheld one is left (then the
+    earliest hold end first); unheld ones go least recently used first. With one hold time for every request
+    it is close to LRU (what was inserted last is held longest); it is meant for requests that hold for
+    different times, as an agent framework that knows its tool calls would ask. O(log n) per push; a pop
+    also moves the entries whose hold lapsed to the unheld heap (each once per hold).
 
     Args:
         ttl: seconds, a finite number >= 0 (default 30).
@@ -55,6 +55,7 @@ class TTL(EvictionPolicy):
         super().__init__()
 
     def reset(self) -> None:
+        super().reset()
         self.unheld, self.held = LazyHeap(self), LazyHeap(self)
 
     def heaps(self) -> Sequence[LazyHeap]:
