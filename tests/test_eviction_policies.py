@@ -207,3 +207,20 @@ def test_a_policy_serves_one_cache():
     RadixCache(eviction_policy=policy)
     with pytest.raises(ValueError, match="another cache"):
         RadixCache(eviction_policy=policy)
+
+
+def test_a_host_tier_learns_from_the_requests_too():
+    """The request's hints reach the lower tiers' policies: its writes (write_through) and its loads."""
+    from radixkv.cache.tiered import Tier, TieredCache
+    from radixkv.memory import SlotAllocator
+
+    host = Tier("host", RadixCache(eviction_policy="arc"), SlotAllocator(64))
+    cache = TieredCache(RadixCache(eviction_policy="arc"), [host], "write_through")
+    tokens = list(range(8))
+    cache.insert(tokens, np.arange(8), None, CacheHints(request="a"))
+    assert host.cache.policy.sizes == [8, 0] and next(iter(host.cache._all_nodes())).user == "a"
+    cache.evict(8)  # the device drops it; the host keeps it
+    m = cache.match_prefix(tokens, None, CacheHints(request="b"))
+    plan = cache.plan_load(tokens, m, None, CacheHints(request="b"))  # another request loads it: a reuse
+    assert plan.length == 8 and host.cache.policy.sizes == [0, 8]
+    cache.cancel(plan)

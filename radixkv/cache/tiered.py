@@ -73,12 +73,14 @@ class Tier:
                              f"{cache.page_size}")
         self.name, self.cache, self.allocator, self.shared = name, cache, allocator, shared
 
-    def store(self, tokens: np.ndarray, namespace: Hashable) -> tuple[np.ndarray, np.ndarray]:
+    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Make room for the whole pages of ``tokens`` this tier lacks, evicting its own entries: ``(held,
         fresh)``, the slots of the leading tokens it holds and fresh slots for as many further whole pages as
-        fit (none when it holds them all). The caller copies, then ``keep``s them. O(tokens) + the eviction."""
+        fit (none when it holds them all). The caller copies, then ``keep``s them. ``hints``: the writing
+        request's (none for a write-back), for the tier's eviction policy. O(tokens) + the eviction."""
         n = self.cache.cacheable_length(len(tokens))
-        m = self.cache.match_prefix(tokens[:n], namespace)
+        m = self.cache.match_prefix(tokens[:n], namespace, hints)
         if m.length >= n:
             return m.indices, m.indices[:0]
         self.cache.lock(m.node)  # the path the new pages hang from must survive the eviction
@@ -92,11 +94,12 @@ class Tier:
         finally:
             self.cache.unlock(m.node)
 
-    def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable) -> None:
+    def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable,
+             hints: CacheHints = NO_HINTS) -> None:
         """Insert the leading tokens ``store`` answered for: those at ``held`` and then those at ``fresh``
         (their KV copied); what the cache already had (nothing, unless another writer came first) is freed."""
         start = len(held)
-        already = self.cache.insert(tokens[: start + len(fresh)], np.concatenate([held, fresh]), namespace)
+        already = self.cache.insert(tokens[: start + len(fresh)], np.concatenate([held, fresh]), namespace, hints)
         self.allocator.free(fresh[: max(already - start, 0)])
 
     def check_invariants(self) -> None:
@@ -234,7 +237,7 @@ class TieredCache:
             arr, idx = as_token_array(tokens), as_token_array(indices)
             if len(arr) != len(idx):
                 raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
-            self._write(arr, idx, namespace)
+            self._write(arr, idx, namespace, hints)
         return self.device.insert(tokens, indices, namespace, hints)
 
     def evict(self, num_tokens: int) -> np.ndarray:
@@ -248,17 +251,19 @@ class TieredCache:
         return freed
 
     # ------------------------------------------------------------------ loads
-    def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None) -> LoadPlan:
+    def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
+                  hints: CacheHints = NO_HINTS) -> LoadPlan:
         """How far the lower tiers extend ``match`` (the device's for ``tokens``, locked by the caller): per
         tier, nearest first, the whole pages after what nearer tiers supply, while ``worth_loading`` agrees.
-        The tiers' matches are locked until ``load`` or ``cancel``. O(tokens) per tier."""
+        The tiers' matches (with the request's ``hints``) are locked until ``load`` or ``cancel``. O(tokens)
+        per tier."""
         arr = as_token_array(tokens)
         if self.write_policy == "write_through_selective" and match.length:
-            self._reused(arr[: match.length], match, namespace)
+            self._reused(arr[: match.length], match, namespace, hints)
         plan = LoadPlan(arr, namespace, match)
         start = match.length
         for tier in self.tiers:
-            m = tier.cache.match_prefix(arr, namespace)
+            m = tier.cache.match_prefix(arr, namespace, hints)
             if m.length <= start:
                 continue
             if self.worth_loading is not None and not self.worth_loading(tier.name, m.length - start, start):
@@ -295,7 +300,7 @@ class TieredCache:
         self.device.unlock(plan.match.node)
         return m
 
-    def _reused(self, tokens: np.ndarray, match: MatchResult, namespace: Hashable) -> None:
+    def _reused(self, tokens: np.ndarray, match: MatchResult, namespace: Hashable, hints: CacheHints) -> None:
         """An admission reused ``match``: count it against its last entry (its insertion was hit 1), and copy
         the prefix down when the hits reach ``write_threshold``. Counts of entries that left the device are
         dropped once they outnumber the device's entries."""
@@ -303,18 +308,20 @@ class TieredCache:
         uses = self._uses[entry] = self._uses.get(entry, 1) + 1
         if uses >= self.write_threshold:
             del self._uses[entry]
-            self._write(tokens, match.indices, namespace)
+            self._write(tokens, match.indices, namespace, hints)
         elif len(self._uses) > 2 * max(self.device.total_size // self.page_size, 1024):
             self._uses = {e: n for e, n in self._uses.items() if _attached(e)}
 
     # ------------------------------------------------------------------ writes
-    def _write(self, tokens: np.ndarray, slots: np.ndarray, namespace: Hashable) -> None:
-        """Copy the whole pages of ``tokens`` (device KV at ``slots``) into every lower tier lacking them."""
+    def _write(self, tokens: np.ndarray, slots: np.ndarray, namespace: Hashable,
+               hints: CacheHints = NO_HINTS) -> None:
+        """Copy the whole pages of ``tokens`` (device KV at ``slots``) into every lower tier lacking them; the
+        tiers' caches get the writing request's ``hints`` (none for a write-back)."""
         for tier in self.tiers:
-            held, fresh = tier.store(tokens, namespace)
+            held, fresh = tier.store(tokens, namespace, hints)
             if len(fresh):
                 self._copy(Copy("device", tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
-                tier.keep(tokens, held, fresh, namespace)
+                tier.keep(tokens, held, fresh, namespace, hints)
                 self.written_tokens[tier.name] += len(fresh)
 
     def _copy(self, copy: Copy) -> None:

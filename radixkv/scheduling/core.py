@@ -333,7 +333,7 @@ class Scheduler:
         """Extend ``m`` (locked) from a tiered cache's lower tiers into fresh device slots, evicting as usual:
         the match to use and its tokens per tier. Only when the admission's own slots (its first chunk, or its
         whole KV) fit too: a request that is not admitted loads nothing (``m`` alone is returned)."""
-        plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace)
+        plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace, s.hints)
         if not plan.length:
             return m, {"device": m.length}
         _, rest = self._first_slots(s, m.length + plan.length, budget)
