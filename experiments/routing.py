@@ -94,8 +94,7 @@ def grids(args) -> dict[str, tuple[dict, list[dict]]]:
     out = {}
     for name in names_from(args.workloads, WORKLOADS, "--workloads"):
         if name == "mooncake":
-            if not Path(args.trace).is_file():
-                print(f"skipping mooncake: no trace at {args.trace} (pass --trace PATH; see shared/traces/README.md)")
+            if not sweep.trace_present(args.trace):
                 continue
             spec, pooled = sweep.workload_spec(trace=args.trace, limit=args.limit), args.mooncake_capacity
         else:

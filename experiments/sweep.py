@@ -73,6 +73,14 @@ def workload_spec(trace: str | None = None, workload: str | None = None, sizes: 
     return {"name": workload, "seed": seed, "sizes": dict(sizes or {}), "limit": limit}
 
 
+def trace_present(path: str | Path, what: str = "mooncake") -> bool:
+    """Whether the Mooncake trace at ``path`` exists; where it does not, says that ``what`` is skipped."""
+    if Path(path).is_file():
+        return True
+    print(f"skipping {what}: no trace at {path} (pass --trace PATH; see shared/traces/README.md)")
+    return False
+
+
 def load_workload(spec: dict, trace: str | None = None) -> list[Request]:
     """The requests ``spec`` names (``trace``: the Mooncake file's path), cut to its ``limit``: the first
     requests in arrival order (a turn's parent arrives before it, so the cut keeps every link)."""

@@ -130,8 +130,7 @@ def grids(args, parts: list[str]) -> dict[str, tuple[dict, list[dict]]]:
     chosen = names_from(args.workloads, WORKLOADS, "--workloads") if "a" in parts else []
     out = {}
     for name in dict.fromkeys(chosen + (["mooncake"] if "b" in parts else [])):
-        if name == "mooncake" and not Path(args.trace).is_file():
-            print(f"skipping mooncake (parts a, b): no trace at {args.trace} (see shared/traces/README.md)")
+        if name == "mooncake" and not sweep.trace_present(args.trace, "mooncake (parts a, b)"):
             continue
         spec = sweep.workload_spec(trace=args.trace, limit=args.limit) if name == "mooncake" else \
             sweep.workload_spec(workload=name, sizes=WORKLOADS[name]["sizes"], seed=args.seed, limit=args.limit)

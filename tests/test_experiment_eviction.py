@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from experiments import eviction
 from experiments.common import read_rows
+from tests.test_tiers_experiment import tiny_trace
 
 QUICK = ["--quick", "--no-ray", "--policies", "lru,lfu,cost"]
-
-
-def tiny_trace(path) -> None:
-    """A Mooncake-format trace: 12 conversations of 3 turns, each turn two 512-token blocks past the last."""
-    lines, t = [], 0
-    for conv in range(12):
-        ids = [0]
-        for _ in range(3):
-            ids = ids + [1000 * (conv + 1) + len(ids), 1000 * (conv + 1) + len(ids) + 1]
-            lines.append({"timestamp": t, "input_length": 512 * len(ids) - 100, "output_length": 20,
-                          "hash_ids": list(ids)})
-            t += 250
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 def test_synthetic_rows_tables_figure_rerun_and_redo(tmp_path, capsys):
