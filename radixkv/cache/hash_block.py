@@ -24,7 +24,7 @@ The baseline radixkv compares the radix tree against, following vLLM v1's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from operator import attrgetter
 from typing import Any
 
@@ -43,7 +43,7 @@ from radixkv.cache.base import (
 from radixkv.cache.block import Block, BlockChain
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
-from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.eviction import EvictionPolicy, make_policy, policy_clock
 from radixkv.cache.free_queue import FreeQueue, PolicyFreeQueue
 from radixkv.cache.hash_block_checks import check_children_first, check_lock_counts, check_tree
 from radixkv.cache.invariants import requirer
@@ -125,14 +125,7 @@ class HashBlockCache:
             self.listener(AllBlocksCleared())
 
     # ------------------------------------------------------------- sizes
-    @property
-    def clock(self) -> Callable[[], float]:
-        """Seconds, for time-aware policies (the simulator sets its own)."""
-        return self.policy.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        self.policy.clock = clock
+    clock = policy_clock
 
     def parent_of(self, block: Block) -> Block | None:
         """The cached block ``block`` chains from; None for a first block. O(1)."""

@@ -39,7 +39,7 @@ from radixkv.cache.base import (
     as_token_array,
 )
 from radixkv.cache.events import AllBlocksCleared, CacheListener
-from radixkv.cache.eviction import EvictionPolicy, PriorityPolicy, make_policy
+from radixkv.cache.eviction import EvictionPolicy, PriorityPolicy, make_policy, policy_clock
 from radixkv.cache.invariants import requirer
 from radixkv.cache.radix_events import removed, stored
 from radixkv.cache.radix_node import RadixNode
@@ -112,14 +112,7 @@ class RadixCache:
         if self.listener is not None:
             self.listener(AllBlocksCleared())
 
-    @property
-    def clock(self) -> Callable[[], float]:
-        """Seconds, for time-aware policies (the simulator sets its own)."""
-        return self.policy.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        self.policy.clock = clock
+    clock = policy_clock
 
     @property
     def total_size(self) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixkv.cache.eviction.adaptive import ARC, S3FIFO
-from radixkv.cache.eviction.base import CLASSICAL, SLRU, EvictionPolicy, PriorityPolicy
+from radixkv.cache.eviction.base import CLASSICAL, SLRU, EvictionPolicy, PriorityPolicy, policy_clock
 from radixkv.cache.eviction.learned import Learned
 from radixkv.cache.eviction.requests import TLRU, TTL, Priority
 from radixkv.cache.eviction.value import Cost
@@ -70,4 +70,4 @@ def make_policy(name: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
     return POLICIES[name](**params)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "PriorityPolicy", "make_policy"]
+__all__ = ["POLICIES", "EvictionPolicy", "PriorityPolicy", "make_policy", "policy_clock"]

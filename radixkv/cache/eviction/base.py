@@ -56,28 +56,46 @@ class LazyHeap:
     def push(self, entry: Entry, key: float) -> None:  # O(log n)
         heapq.heappush(self.items, (key, self._owner.next_stamp(entry), entry))
 
+    @staticmethod
+    def _current(item: tuple[float, int, Entry], live: Live) -> bool:
+        """Whether ``item`` is its entry's newest and the entry is still ``live``."""
+        return item[2].stamp == item[1] and live(item[2])
+
     def pop(self, live: Live) -> tuple[float, Entry] | None:
         """The smallest live item (its key and entry), removed; None when none is left. O(log n) amortized."""
         items = self.items
         while items:
-            key, seq, entry = heapq.heappop(items)
-            if entry.stamp == seq and live(entry):
-                return key, entry
+            item = heapq.heappop(items)
+            if self._current(item, live):
+                return item[0], item[2]
         return None
 
     def peek_key(self, live: Live) -> float | None:
         """The smallest live key without removing it (stale items on top are dropped); None when empty."""
         items = self.items
-        while items and not (items[0][2].stamp == items[0][1] and live(items[0][2])):
+        while items and not self._current(items[0], live):
             heapq.heappop(items)
         return items[0][0] if items else None
 
     def compact(self, live: Live) -> None:  # O(n): keeps the heap within a constant of the live entries
-        self.items[:] = [i for i in self.items if i[2].stamp == i[1] and live(i[2])]
+        self.items[:] = [i for i in self.items if self._current(i, live)]
         heapq.heapify(self.items)
 
     def entries(self) -> Iterable[Entry]:
         return (i[2] for i in self.items if i[2].stamp == i[1])
+
+
+def _policy_clock(cache: Any) -> Callable[[], float]:
+    return cache.policy.clock
+
+
+def _set_policy_clock(cache: Any, clock: Callable[[], float]) -> None:
+    cache.policy.clock = clock
+
+
+# ``clock = policy_clock`` in a cache class whose ``policy`` is an EvictionPolicy: the cache's clock is its policy's
+policy_clock = property(_policy_clock, _set_policy_clock,
+                        doc="Seconds, for time-aware policies: the policy's clock (the simulator sets its own).")
 
 
 class EvictionPolicy:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.eviction.base import CLOCK_SPAN, Entry, EvictionPolicy, LazyHeap, Live, check_param, ranked
+from radixkv.cache.eviction.base import Entry, EvictionPolicy, LazyHeap, Live, check_param, ranked
 
 
 class Priority(EvictionPolicy):
@@ -116,7 +116,7 @@ class TLRU(EvictionPolicy):
 
     def priority(self, entry: Entry) -> float:
         budget = max((entry.state or 0) + self.next_prompt_estimate - self.threshold, 0)
-        return entry.last_access - CLOCK_SPAN * (entry.depth >= budget)
+        return ranked(-(entry.depth >= budget), entry.last_access)
 
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         entry.state = entry.depth + len(entry)
