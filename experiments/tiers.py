@@ -58,6 +58,12 @@ ENGINES = {"one_pool": lambda a: {"kv_cache_tokens": a.device_tokens + a.host_to
            "device_only": lambda a: {"kv_cache_tokens": a.device_tokens}}
 
 
+def engine_settings(args, name: str) -> dict:
+    """Part (c): the engine's KV settings, and ``batch_invariant`` where asked (absent when off, so rows of
+    runs without it keep their keys)."""
+    return {**ENGINES[name](args), **({"batch_invariant": True} if args.batch_invariant else {})}
+
+
 def parse_args(argv: list[str] | None = None):
     p = parser(__doc__.splitlines()[0], "docs/figures/tiers")
     p.description += " --out is a directory."
@@ -81,6 +87,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--dtype", default="auto", help="part (c): the model's dtype (auto: its own)")
     p.add_argument("--threads", type=int, default=2, help="part (c): torch threads")
     p.add_argument("--repeats", type=int, default=3, help="part (c): runs of each engine, in turns (median TTFT)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="part (c): engines with batch_invariant=True (logits independent of the batch)")
     sweep.add_ray_flags(p)
     args = p.parse_args(argv)
     if min(1 if args.limit is None else args.limit, args.replicas, args.write_threshold, args.local_storage,
@@ -177,7 +185,8 @@ def run_simulations(args, todo: dict, path: Path) -> list[str]:
 
 def engine_config(args, name: str, repeat: int = 0) -> dict:
     return {"arm": "engine", "engine": name, "model": args.model, "dtype": args.dtype, "seed": args.seed,
-            "threads": args.threads, **ENGINES[name](args), "workload": "experiments.multiturn", "repeat": repeat}
+            "threads": args.threads, **engine_settings(args, name), "workload": "experiments.multiturn",
+            "repeat": repeat}
 
 
 def engines(rows: list[dict]) -> dict[str, dict]:
@@ -193,7 +202,7 @@ def serve_engine(args, name: str, repeat: int) -> dict:
     from radixkv import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    kv = ENGINES[name](args)
+    kv = engine_settings(args, name)
     mt = multiturn.parse_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed),
                                "--kv-cache-tokens", str(kv["kv_cache_tokens"])])
     system, users = multiturn.user_turns(mt)

@@ -41,6 +41,11 @@ class EngineConfig:
     ``write_through``, ``write_through_selective`` after ``write_threshold`` hits, ``write_back``); see
     ``radixkv.cache.tiered``.
     ``eviction_params`` are the eviction policy's parameters (``StackConfig.eviction_params``).
+    ``batch_invariant=True`` makes each token's logits the same bits whichever requests share its step
+    (SGLang's ``--enable-deterministic-inference``, vLLM's batch invariance), so greedy outputs do not depend
+    on the batching a pool size or a host tier leads to: 16-bit models on the CPU kernels path only
+    (``ValueError`` at engine start elsewhere); off by default, as there, since the fastest kernel per
+    batch size changes the rounding (``radixkv.cpu.linear.PackedLinear``).
     ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
     float32); ``LLM`` resolves it, so ``LLM(...).config.dtype`` is always a concrete name.
     """
@@ -65,6 +70,7 @@ class EngineConfig:
     host_kv_cache_tokens: int | None = None
     write_policy: str = "write_through"
     write_threshold: int = 2
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         # torch.bfloat16 / torch.device("cpu") are accepted and kept as their names (configs are saved as JSON)
@@ -87,6 +93,7 @@ class EngineConfig:
     def _model_problems(self) -> list[str]:
         types = [
             (isinstance(self.record_steps, bool), "record_steps must be a bool"),
+            (isinstance(self.batch_invariant, bool), "batch_invariant must be a bool"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
             (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
              "device must be 'cpu', 'cuda' or 'cuda:N'"),

@@ -118,7 +118,8 @@ class LLM:
         stack = build_stack(cfg.stack, self.pool.num_slots, mover=self.mover)
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
-        self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend)
+        self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend,
+                                                      cfg.batch_invariant)
         self.prompts = Prompts(self.tokenizer, mc.vocab_size, mc.max_position_embeddings, self.allocator.capacity,
                                cfg.model)
         self._next_id = 0
@@ -359,7 +360,7 @@ class LLM:
         """Run the model on the batch: logits of each request's last new token, the batch, the model's seconds."""
         toks = [s.tokens[s.computed : s.computed + n] for s, n in batch]
         ab = AttentionBatch([s.computed for s, _ in batch], [n for _, n in batch],
-                            [s.slots[: s.computed + n] for s, n in batch])
+                            [s.slots[: s.computed + n] for s, n in batch], [s.prefilling for s, _ in batch])
         self._stats["steps"] += 1
         x = prepare_step(self.pool, self.backend, toks, ab)
         t0 = time.perf_counter()

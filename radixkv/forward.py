@@ -30,17 +30,24 @@ def takes_cpu_path(pool: KVPool, attention_backend: str) -> bool:
     return attention_backend == "cpu" or (attention_backend == "auto" and pool.dtype != torch.float32)
 
 
-def build_forward(model: LlamaForCausalLM, pool: KVPool,
-                  attention_backend: str = "auto") -> tuple[Forward, AttentionBackend]:
+def build_forward(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "auto",
+                  batch_invariant: bool = False) -> tuple[Forward, AttentionBackend]:
     """The forward to call for each step of ``model`` over ``pool``, and the attention backend to ``plan``.
 
     Call it once, after building the pool and before serving: on the CPU
     path it packs the model's linear layers in place and moves the pool's
     buffer (``radixkv.cpu.accelerate``). Raises as ``make_backend`` does
     for an unknown or unavailable backend.
+    ``batch_invariant``: a token's logits are the same bits whichever requests
+    share its step (``radixkv.cpu.accelerate``); only the CPU path has it, so
+    anything else (float32, a GPU, the ``torch`` backends) is a ``ValueError``.
     """
     if takes_cpu_path(pool, attention_backend):
         from radixkv.cpu import accelerate  # lazy: only this path loads the CPU speed-ups
 
-        return accelerate(model, pool, attention_backend)
+        return accelerate(model, pool, attention_backend, batch_invariant)
+    if batch_invariant:
+        raise ValueError("batch_invariant needs radixkv's CPU kernels path: a 16-bit model on the CPU with "
+                         f"attention_backend 'auto' or 'cpu' (got {pool.dtype} on {pool.device}, "
+                         f"attention_backend {attention_backend!r})")
     return model, make_backend(attention_backend, pool, model.config.num_heads)

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction-params", type=json.loads, default=None,
                    help='the eviction policy\'s parameters as JSON, e.g. \'{"ttl": 60}\' for ttl '
                         '(docs/eviction.md)')
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's logits the same bits whichever requests share its step, at some speed "
+                        "(SGLang's --enable-deterministic-inference; 16-bit models on the CPU kernels only)")
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "
                         "--host-kv-cache-tokens)")
@@ -104,6 +107,8 @@ def build(args: argparse.Namespace):
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
     if args.hicache_ratio is not None:
         settings["hicache_ratio"] = args.hicache_ratio
+    if args.batch_invariant:
+        settings["batch_invariant"] = True
     if args.eviction_params is not None:
         settings["eviction_params"] = args.eviction_params
     if args.replicas != 1:

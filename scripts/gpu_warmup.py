@@ -9,21 +9,20 @@ them one after another. Two steps, each printing how long it took:
    module's own build would spread over ten jobs at most. The specs are the ones the wrappers' ``plan``
    asks for (FA2 batch prefill and batch decode, and FA3 prefill on Hopper); they come from FlashInfer's
    internal generators, so a FlashInfer without them skips this step and step 2 compiles instead.
-2. One process per dtype and head dim, all at once: radixkv's flashinfer backend plans and runs a 100-token
-   prefill (FA3 on Hopper), a 16-token prefill (FA2) and a decode; the first plan of a module loads it, or
-   builds it when step 1 did not. The processes split MAX_JOBS between them.
+2. In this process, one dtype and head dim after another: radixkv's flashinfer backend plans and runs a
+   100-token prefill (FA3 on Hopper), a 16-token prefill (FA2) and a decode; the first plan of a module
+   loads it, or builds it (with all MAX_JOBS) when step 1 did not. Not in worker processes: on an H200,
+   four spawned workers started after step 1 (12 modules in 224 s) had not finished loading 200 s later,
+   while one configuration built and ran in this process in 122 s from nothing.
 
 Run by scripts/gpu_check.sh with FLASHINFER_CUDA_ARCH_LIST, FLASHINFER_WORKSPACE_BASE and MAX_JOBS set.
 """
 
 from __future__ import annotations
 
-import math
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -60,9 +59,8 @@ def prebuild(configs: list[tuple[str, int]]) -> None:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def warm(dtype_name: str, head_dim: int, jobs: int) -> list[str]:
+def warm(dtype_name: str, head_dim: int) -> list[str]:
     """Step 2 for one dtype and head dim: plan and run each step once on a fresh pool; a line per step."""
-    os.environ["MAX_JOBS"] = str(jobs)  # read by FlashInfer's ninja runs in this process
     import numpy as np
     import torch
 
@@ -95,17 +93,13 @@ def main() -> int:
     os.environ["MAX_JOBS"] = str(total_jobs)
     t0 = time.perf_counter()
     prebuild(configs)
-    jobs = max(1, math.ceil(total_jobs / len(configs)))
     failed = False
-    # spawn: each worker gets its own CUDA context (CUDA does not survive a fork)
-    with ProcessPoolExecutor(len(configs), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(warm, d, h, jobs) for d, h in configs]
-        for (d, h), future in zip(configs, futures, strict=True):
-            try:
-                print("\n".join(future.result()), flush=True)
-            except Exception as e:  # report every configuration, then fail
-                failed = True
-                print(f"{d:>8} head dim {h:3d}  FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    for d, h in configs:
+        try:
+            print("\n".join(warm(d, h)), flush=True)
+        except Exception as e:  # report every configuration, then fail
+            failed = True
+            print(f"{d:>8} head dim {h:3d}  FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     print(f"warm-up: {len(configs)} configurations in {time.perf_counter() - t0:.1f} s")
     return 1 if failed else 0
 

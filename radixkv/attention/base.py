@@ -5,7 +5,9 @@ tokens (consecutive in the flat query tensor, in request order) that sit
 after ``prefix_len`` tokens whose K/V are already in the pool. Query token i
 of a request attends to KV positions ``0 .. prefix_len + i`` (causal, offset
 by the prefix). A decode is ``new_len == 1``; a prefill with a cached prefix
-has ``prefix_len > 0``. The step's own new K/V must be stored in the pool
+has ``prefix_len > 0``; a one-token prefill chunk (a prompt cached but for its
+last token) is told apart from a decode by ``prefilling`` where the caller
+knows it. The step's own new K/V must be stored in the pool
 (``KVPool.store``) before ``run`` is called for that layer.
 """
 
@@ -28,11 +30,16 @@ class AttentionBatch:
         new_lens: query tokens this step, per request (1 for a decode).
         slots: per request, the slot of every KV position,
             ``len(slots[r]) == prefix_lens[r] + new_lens[r]`` (int64).
+        prefilling: per request, whether its tokens are a prefill chunk (None: those of more than one
+            token). The CPU backends run a one-token chunk through their prefill kernel, as the rest of its
+            prompt would have gone, so a token's KV and logits are the bits of one algorithm whether its
+            prompt was cached (a resumed or repeated request) or not.
     """
 
     prefix_lens: Sequence[int]
     new_lens: Sequence[int]
     slots: Sequence[np.ndarray]
+    prefilling: Sequence[bool] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.prefix_lens) == len(self.new_lens) == len(self.slots)):
@@ -40,6 +47,21 @@ class AttentionBatch:
         for r, (p, n, s) in enumerate(zip(self.prefix_lens, self.new_lens, self.slots, strict=True)):
             if p < 0 or n < 1 or len(s) != p + n:
                 raise ValueError(f"request {r}: prefix {p}, new {n} and {len(s)} slots are inconsistent")
+        if self.prefilling is not None and (
+                len(self.prefilling) != len(self.new_lens)
+                or any(n > 1 and not f for n, f in zip(self.new_lens, self.prefilling, strict=True))):
+            raise ValueError("prefilling needs one flag per request, and a request of several new tokens is a "
+                             f"prefill chunk (new_lens {list(self.new_lens)}, prefilling {list(self.prefilling)})")
+
+    def prefills(self) -> list[int]:
+        """The requests (indices) whose rows are prefill chunks; the rest are decodes (``decodes``)."""
+        flags = self.prefilling or [n > 1 for n in self.new_lens]
+        return [r for r, f in enumerate(flags) if f]
+
+    def decodes(self) -> list[int]:
+        """The requests (indices) that decode one token each."""
+        flags = self.prefilling or [n > 1 for n in self.new_lens]
+        return [r for r, f in enumerate(flags) if not f]
 
     @property
     def num_tokens(self) -> int:

@@ -113,8 +113,7 @@ class FlashInferBackend:
         dev, ps, pool = self.pool.device, self.pool.page_size, self.pool
         q_dtype = q_dtype or pool.dtype
         starts = batch.qo_indptr[:-1]
-        pre = [r for r, n in enumerate(batch.new_lens) if n > 1]
-        dec = [r for r, n in enumerate(batch.new_lens) if n == 1]
+        pre, dec = batch.prefills(), batch.decodes()
         to_dev = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
         self._rows = (torch.as_tensor(batch.query_rows(pre), dtype=torch.long, device=dev),
                       torch.as_tensor(starts[dec], dtype=torch.long, device=dev))

@@ -1,7 +1,8 @@
 """A backend built from two parts: one for a step's prefill chunks, one for its decodes.
 
-Every CPU backend splits a step the same way: rows of requests with more
-than one new token are prefill chunks, one-token rows are decodes, and the
+Every CPU backend splits a step the same way: prefill chunks
+(``AttentionBatch.prefills``: more than one new token, or one a caller marks
+``prefilling``) and decodes (the other one-token rows), and the
 two kinds take different algorithms (a causal mask after a prefix, or one
 query against a whole context). ``SplitBackend`` does the split once; each
 backend is a choice of parts (``StepPart``), so none overrides another's
@@ -46,8 +47,7 @@ class SplitBackend:
         self._whole: StepPart | None = None  # the part that holds every row of the step, if one does
 
     def plan(self, batch: AttentionBatch) -> None:
-        decodes = [r for r, n in enumerate(batch.new_lens) if n == 1]
-        prefills = [r for r, n in enumerate(batch.new_lens) if n > 1]
+        decodes, prefills = batch.decodes(), batch.prefills()
         self.prefill.plan(batch, prefills)
         self.decode.plan(batch, decodes)
         kinds = [(part, reqs) for part, reqs in ((self.prefill, prefills), (self.decode, decodes)) if reqs]

@@ -36,8 +36,8 @@ from radixkv.model.llama import LlamaForCausalLM
 register("cpu", cpu_backend_unavailable_reason, CpuPagedBackend)
 
 
-def accelerate(model: LlamaForCausalLM, pool: KVPool,
-               attention_backend: str = "auto") -> tuple[FusedLlama | LlamaForCausalLM, AttentionBackend]:
+def accelerate(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "auto",
+               batch_invariant: bool = False) -> tuple[FusedLlama | LlamaForCausalLM, AttentionBackend]:
     """Serve ``model`` over ``pool`` as fast as this CPU allows: the forward to call and the attention backend.
 
     Packs the model's linear layers in place (``pack_linears``), moves the
@@ -45,17 +45,23 @@ def accelerate(model: LlamaForCausalLM, pool: KVPool,
     builds ``attention_backend`` (``make_backend``: ``auto`` picks ``cpu``
     where the kernels build, else ``torch-cascade``). With the ``cpu``
     backend the forward is ``FusedLlama``; with any other it is the model.
+    ``batch_invariant``: each token's logits do not depend on which other
+    requests share its step (``PackedLinear``'s batch-invariant layers; no
+    ``DecodeStack``, whose tiles take the row count's kernels; the attention
+    kernels already work request by request, splitting a decode's context by
+    its length alone); ``ValueError`` where the linear kernels cannot serve it.
     Call it before serving: views of the pool taken earlier go stale.
     """
-    pack_linears(model)
+    pack_linears(model, batch_invariant=batch_invariant)
     pool.reallocate(hugepages.zeros)
     backend = make_backend(attention_backend, pool, model.config.num_heads)
-    return fused_forward(model, backend), backend
+    return fused_forward(model, backend, use_stack=not batch_invariant), backend
 
 
-def fused_forward(model: LlamaForCausalLM, backend: AttentionBackend) -> FusedLlama | LlamaForCausalLM:
+def fused_forward(model: LlamaForCausalLM, backend: AttentionBackend,
+                  use_stack: bool = True) -> FusedLlama | LlamaForCausalLM:
     """``FusedLlama`` over ``model`` for the ``cpu`` backend (whose kernels it runs with); else ``model``."""
-    return FusedLlama(model, backend) if isinstance(backend, CpuPagedBackend) else model
+    return FusedLlama(model, backend, use_stack) if isinstance(backend, CpuPagedBackend) else model
 
 
 __all__ = ["CpuPagedBackend", "FusedLlama", "accelerate", "fused_forward", "hugepages", "pack_linears"]
