@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
+
 if importlib.util.find_spec("hypothesis") is not None:
     from hypothesis import HealthCheck, settings
 
@@ -15,3 +17,17 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile("thorough", max_examples=200, stateful_step_count=50, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile("thorough" if os.environ.get("CI") == "true" else "fast")
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels():
+    """The compiled CPU kernels with their AVX2 path (``small_linear``, ``coded_linear``), built once for the
+    session; the test is skipped where they do not build or the CPU lacks AVX2."""
+    from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
+
+    if reason := cpu_kernels_unavailable_reason():
+        pytest.skip(f"CPU kernels unavailable: {reason}")
+    kernels = load_cpu_kernels()
+    if not kernels.has_avx2():
+        pytest.skip("small_linear and coded_linear are AVX2 kernels")
+    return kernels

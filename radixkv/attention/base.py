@@ -55,13 +55,14 @@ class AttentionBatch:
 
     def prefills(self) -> list[int]:
         """The requests (indices) whose rows are prefill chunks; the rest are decodes (``decodes``)."""
-        flags = self.prefilling or [n > 1 for n in self.new_lens]
-        return [r for r, f in enumerate(flags) if f]
+        return [r for r, f in enumerate(self._prefill_flags()) if f]
 
     def decodes(self) -> list[int]:
         """The requests (indices) that decode one token each."""
-        flags = self.prefilling or [n > 1 for n in self.new_lens]
-        return [r for r, f in enumerate(flags) if not f]
+        return [r for r, f in enumerate(self._prefill_flags()) if not f]
+
+    def _prefill_flags(self) -> Sequence[bool]:
+        return self.prefilling if self.prefilling is not None else [n > 1 for n in self.new_lens]
 
     @property
     def num_tokens(self) -> int:
