@@ -46,7 +46,8 @@ class EngineStalledError(RuntimeError):
 
 @dataclass
 class RequestOutput:
-    """One finished request. Times are seconds since it was added (NaN before its first token).
+    """One finished request. Times are seconds since it was added (NaN before its first token); each token's
+    is when it first came out, also where a preemption made the engine compute it again (``_Seq.emit``).
 
     ``finish_reason``: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_new_tokens``), ``"abort"``
     (``LLM.abort``) or ``"error"`` (this request alone failed; ``error`` says why, its batch went on).
@@ -75,13 +76,23 @@ class _Seq(RequestState):
     device: str = "cpu"
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    delivered: list[float] = field(default_factory=list)  # times of the tokens produced before a preemption
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def emit(self, token: int, now: float) -> None:
+        """Append a sampled token. One a preemption made it compute again keeps the time it first came out
+        (what a streaming client saw: the server does not send it twice), so ``ttft`` is the first token's."""
+        i = len(self.token_times)
+        self.output.append(token)
+        self.token_times.append(self.delivered[i] if i < len(self.delivered) else now - self.arrival)
+
     def reset(self) -> None:
         super().reset()
+        if len(self.token_times) > len(self.delivered):
+            self.delivered = self.token_times
         self.output, self.token_times = [], []
         self.generator = seeded_generator(self.params.seed, self.device)  # a recomputation samples the same tokens
 
@@ -385,8 +396,7 @@ class LLM:
             if err is not None:  # this request's own failure: the rest of the batch goes on
                 self._finish(s, "error", finished, error=f"sampling failed: {type(err).__name__}: {err}")
                 continue
-            s.output.append(tok)
-            s.token_times.append(now - s.arrival)
+            s.emit(tok, now)
             reason = self._done(s, tok)
             if reason:
                 self._finish(s, reason, finished)

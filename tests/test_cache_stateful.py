@@ -103,15 +103,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert m.indices.tolist() == expected_idx
         return m
 
-    def do_evict(self, num_tokens: int) -> np.ndarray:
+    def do_evict(self, num_tokens: int, demoted_only: bool = False) -> np.ndarray:
         before_total = self.cache.total_size
         locked = self.locked_keys()
-        freed = self.cache.evict(num_tokens)
+        freed = self.cache.evict(num_tokens, demoted_only=True) if demoted_only else self.cache.evict(num_tokens)
         assert isinstance(freed, np.ndarray) and freed.dtype == np.int64 and freed.ndim == 1
         slots = freed.tolist()
         assert len(set(slots)) == len(slots), "evict returned a slot twice"
         assert before_total - self.cache.total_size == len(slots)
-        assert len(slots) >= num_tokens or self.cache.evictable_size == 0, (
+        assert demoted_only or len(slots) >= num_tokens or self.cache.evictable_size == 0, (
             f"asked for {num_tokens}, freed {len(slots)}, evictable {self.cache.evictable_size} left"
         )
         freed_set = set(slots)
@@ -214,6 +214,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def evict_one(self):
         """One block (hash) or one leaf (tree) at a time: what leaves must never strand what is left."""
         self.do_evict(1)
+
+    @precondition(lambda self: hasattr(self.cache, "demote"))
+    @rule(namespace=namespace_st, tokens=tokens_st)
+    def demote(self, namespace, tokens):
+        """A lower tier's copy of what a nearer tier holds: ranked to go first; nothing is added or removed."""
+        sizes = (self.cache.total_size, self.cache.protected_size)
+        assert 0 <= self.cache.demote(tokens, namespace) <= self.ref_match(namespace, tokens)[0]
+        assert (self.cache.total_size, self.cache.protected_size) == sizes
+
+    @precondition(lambda self: hasattr(self.cache, "demote"))
+    @rule(num_tokens=st.integers(1, CAPACITY + 4))
+    def evict_demoted(self, num_tokens):
+        """Only demoted entries (a write that must not displace what only this tier keeps)."""
+        self.do_evict(num_tokens, demoted_only=True)
 
     @precondition(lambda self: self.requests)
     @rule()

@@ -151,6 +151,28 @@ def test_a_preempted_request_counts_its_prompt_once():
     llm.check_idle()
 
 
+def test_a_preempted_request_keeps_the_time_its_first_token_came_out():
+    """Recomputed after a preemption, a request's tokens keep the times they first came out (what a streaming
+    client saw: the server does not send them twice), so ``ttft`` is its first token's, not the recomputation's."""
+    llm = LLM("tiny-random", kv_cache_tokens=128, chunked_prefill_size=16, max_batch_tokens=32)
+    for i in range(4):
+        llm.add_request([3 + i] * 30, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    first: dict[int, float] = {}
+    lost: set[int] = set()  # requests preempted after their first token
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+        for s in llm.running + llm.waiting:
+            if s.token_times:
+                first.setdefault(s.rid, s.token_times[0])
+            elif s.rid in first:
+                lost.add(s.rid)
+    assert lost and llm.stats()["preemptions"] > 0
+    for o in outs:
+        assert o.ttft == first.get(o.request_id, o.ttft) and o.token_times == sorted(o.token_times)
+    llm.check_idle()
+
+
 def test_every_eos_id_of_the_model_stops_a_request():
     import dataclasses
 

@@ -122,3 +122,13 @@ def test_event_delay_changes_what_kv_events_knows(chats):
                             router_params={"block_size": 16, "event_delay": 1e6}, references=False)
     assert late.decision_counts.get("cache_hit", 0) == 0 < now.decision_counts["cache_hit"]
     assert np.isfinite(late.hit_rate)
+
+
+def test_a_preempted_request_keeps_its_first_token_time(chats):
+    """As in the engine: a request preempted after its first token recomputes it, and its ``ttft`` stays the
+    first time (before its last admission)."""
+    res = simulate(chats, cache="radix", capacity_tokens=5000, preemption=True, chunked_prefill_size=64)
+    assert res.preemptions > 0
+    rows = res.per_request
+    assert all(r["ready"] <= r["first_token"] <= r["finish"] for r in rows)
+    assert any(r["first_token"] < r["admitted"] for r in rows)

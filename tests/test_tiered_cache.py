@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
 from radixkv.cache.base import LockError, as_token_array
 from radixkv.cache.events import BlockStored
+from radixkv.cache.eviction import POLICIES
 from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
@@ -40,9 +41,10 @@ GARBAGE = -7  # what a failed copy leaves in the slots it did not reach
 _MOD = (1 << 61) - 1
 
 
-def make_cache(kind: str) -> Any:
+def make_cache(kind: str, eviction: str = "lru") -> Any:
     name, page = KINDS[kind]
-    return RadixCache(page_size=page) if name == "radix" else HashBlockCache(block_size=page)
+    return RadixCache(page_size=page, eviction_policy=eviction) if name == "radix" else \
+        HashBlockCache(block_size=page, eviction_policy=eviction)
 
 
 def _step(h: int, token: int) -> int:
@@ -93,14 +95,14 @@ class Rig:
     computed and inserted, per namespace."""
 
     def __init__(self, kind: str, policy: str = "write_through", *, device: int = 32, host: int = 24,
-                 storage: int = 0, threshold: int = 2, worth_loading: Any = None):
+                 storage: int = 0, threshold: int = 2, worth_loading: Any = None, eviction: str = "lru"):
         self.kind, self.policy, self.ps = kind, policy, KINDS[kind][1]
         sizes = {"device": device, "host": host, "storage": storage}
         self.kv = {name: np.full(max(n, 1), POISON, dtype=np.int64) for name, n in sizes.items()}
         self.alloc = KVAllocator(device, self.ps, self.kv["device"])
-        tiers = [Tier(name, make_cache(kind), KVAllocator(sizes[name], self.ps, self.kv[name]))
+        tiers = [Tier(name, make_cache(kind, eviction), KVAllocator(sizes[name], self.ps, self.kv[name]))
                  for name in ("host", "storage") if sizes[name]]
-        self.cache = TieredCache(make_cache(kind), tiers, policy, threshold, worth_loading, self.move)
+        self.cache = TieredCache(make_cache(kind, eviction), tiers, policy, threshold, worth_loading, self.move)
         self.device = self.cache.device
         self.fail_at: int | None = None  # the number of the copy that fails (1-based)
         self.moved = 0
@@ -412,6 +414,60 @@ def test_host_eviction_frees_other_entries_for_a_write(kind):
 
 
 @kinds
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_the_host_drops_copies_the_device_holds_first(kind, policy):
+    """The lower tier stays nearly exclusive: its copies of what the device holds are demoted and go first,
+    a device eviction writes down what the host dropped, and a write_through copy never displaces a prefix
+    only the host keeps. Device and host of 16 then keep three 8-token prefixes (inclusive tiers: two)."""
+    rig = Rig(kind, policy, device=16, host=16)
+    a, b, c = (np.arange(8) + 100 * k for k in range(1, 4))
+    assert rig.put(a) and rig.put(b)
+    assert rig.put(c)  # the device evicts a (least recent): its copy becomes the host's own
+    assert rig.device.match_prefix(a).length == 0 and rig.host.cache.match_prefix(a).length == 8
+    for p in (b, c):
+        assert rig.device.match_prefix(p).length == 8
+    rig.check()
+    rig.evict(8)  # b leaves the device: written down again where the host dropped it, c's spare copy goes
+    assert rig.host.cache.match_prefix(a).length == rig.host.cache.match_prefix(b).length == 8
+    assert rig.host.cache.match_prefix(c).length == 0 and rig.device.match_prefix(c).length == 8
+    rig.check()
+    rig.check_host_equals_device()
+
+
+@kinds
+def test_write_through_selective_stays_inclusive(kind):
+    """It writes only what was reused and never writes back, so it demotes nothing: the host's LRU decides."""
+    rig = Rig(kind, "write_through_selective", threshold=1, device=16, host=16)
+    a, b, c = (np.arange(8) + 100 * k for k in range(1, 4))
+    assert rig.put(a) and rig.put(b) and rig.put(c)
+    assert rig.host.cache.match_prefix(a).length == 0  # the oldest copy went for c's
+    assert rig.host.cache.match_prefix(b).length == rig.host.cache.match_prefix(c).length == 8
+    rig.evict(10**6)
+    assert rig.cache.take_copies()[-1].dst == "host" and rig.host.cache.match_prefix(a).length == 0
+    rig.check()
+
+
+@kinds
+def test_demote_ranks_a_prefix_below_everything_and_a_match_restores_it(kind):
+    cache = make_cache(kind)
+    a, b = np.arange(8), np.arange(8) + 50
+    cache.insert(a, np.arange(8))
+    cache.insert(b, np.arange(8) + 8)
+    assert cache.evict(4, demoted_only=True).size == 0  # nothing demoted: nothing taken
+    assert cache.demote(b) == 8 and cache.demote(np.arange(100, 104)) == 0
+    cache.check_invariants()
+    assert sorted(cache.evict(8).tolist()) == list(range(8, 16))  # b, though a is older
+    cache.insert(b, np.arange(8) + 8)
+    cache.demote(b)
+    m = cache.match_prefix(b)  # used again (hash lru: its queue moves at the release, as vLLM's)
+    cache.lock(m.node)
+    cache.unlock(m.node)  # back in recency order, after a
+    assert cache.evict(8, demoted_only=True).size == 0
+    assert sorted(cache.evict(8).tolist()) == list(range(8))
+    cache.check_invariants()
+
+
+@kinds
 def test_insert_of_mismatched_lengths_changes_no_tier(kind):
     """``insert`` raises ``ValueError`` and changes nothing when tokens and slots differ in length (the
     caches' contract), the lower tiers included: write_through must not copy first."""
@@ -452,6 +508,23 @@ def test_reset_keeps_a_shared_store(kind):
     assert cache.device.total_size == host.cache.total_size == 0 and host.allocator.num_free == 16
     assert store.cache.match_prefix(np.arange(8)).length == 8
     assert cache.written_tokens == {"host": 0, "storage": 0} and cache.take_copies() == []
+
+
+@kinds
+def test_a_shared_store_demotes_nothing_and_takes_every_write(kind):
+    """Another replica may need what this device holds, so a shared store keeps its copies in LRU order and
+    a write_through copy displaces its oldest entry when it is full."""
+    ps = KINDS[kind][1]
+    store = Tier("storage", make_cache(kind), SlotAllocator(8, ps), shared=True)
+    cache = TieredCache(make_cache(kind), [store])
+    alloc = SlotAllocator(16, ps)
+    a, b = np.arange(8), np.arange(8) + 50
+    cache.insert(a, alloc.alloc(8))
+    cache.plan_load(a, cache.match_prefix(a))  # nothing to load: the device holds it all
+    cache.insert(b, alloc.alloc(8))
+    assert store.cache.match_prefix(a).length == 0 and store.cache.match_prefix(b).length == 8
+    assert cache.written_tokens == {"storage": 16}
+    cache.check_invariants()
 
 
 # ==================================================================== loads
@@ -636,6 +709,30 @@ def test_host_copies_equal_device_copies_under_random_operations(kind, policy):
         rig.cache.unlock(node)
     rig.check()
     assert all(rig.cache.written_tokens.values()) and rig.cache.loaded_tokens["host"]  # every tier written
+
+
+@kinds
+@pytest.mark.parametrize("eviction", sorted(POLICIES))
+def test_every_eviction_policy_keeps_the_tiers_consistent(kind, eviction):
+    """Each tier runs the policy (lru's tiers nearly exclusive, with demotions and demoted-only evictions; the
+    others' inclusive): no slot lost or held twice, every copy the KV of its prefix, the policies' books intact."""
+    rng = np.random.default_rng(5)
+    rig = Rig(kind, "write_through", device=24, host=24, storage=32, eviction=eviction)
+    assert rig.host.exclusive == (eviction == "lru")
+    stems = [rng.integers(0, 40, size=n) for n in (4, 8, 9, 12)]
+    for _ in range(90):
+        ns, toks = draw(rng, stems)
+        op = rng.choice(["put", "put", "load", "evict"])
+        if op == "put":
+            rig.put(toks, ns, known=int(rng.integers(0, 4)) * rig.ps)
+        elif op == "load":
+            m, _ = rig.match_and_load(toks, ns)
+            rig.cache.unlock(m.node)
+        else:
+            rig.evict(int(rng.integers(1, 12)))
+        rig.check()
+    rig.check_host_equals_device()
+    assert rig.cache.written_tokens["host"] and rig.cache.loaded_tokens["host"]
 
 
 # ==================================================================== faults

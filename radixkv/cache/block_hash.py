@@ -132,6 +132,18 @@ class BlockHasher:
             keys.append(h)
         return keys
 
+    def keys(self, tokens: TokenSeq, namespace: Hashable = None) -> list[BlockKey]:
+        """The chained key of every full block of ``tokens``, hashing only the blocks the memo lacks (and
+        remembering them). O(blocks) memcmp + the new blocks' hashes."""
+        _, data, nblocks = self.full_blocks(tokens)
+        keys, step = self.recall(data, namespace), 8 * self.block_size
+        h = keys[-1] if keys else self.seed(namespace)
+        for i in range(len(keys), nblocks):
+            h = self.hash(h, data[i * step : (i + 1) * step])
+            keys.append(h)
+        self.remember(data, namespace, keys)
+        return keys
+
     def recall(self, data: bytes, namespace: Hashable) -> list[BlockKey]:
         """Keys of the leading blocks of ``data`` that an earlier call already hashed.
 

@@ -59,6 +59,24 @@ class FreeQueue:
         """Take ``item`` out if it is queued."""
         self._items.pop(item, None)
 
+    def demote(self, chain: Sequence[Any]) -> None:
+        """Move the tail of ``chain`` (entries root side first, each chaining from the one before) to the head,
+        last entry first, as far up as each queued entry chains to nothing but the next (``num_children``):
+        an entry with another child stays behind that child."""
+        movable = []
+        for i in range(len(chain) - 1, -1, -1):
+            item, children = chain[i], 0 if i == len(chain) - 1 else 1
+            if item not in self._items or item.num_children != children:
+                break
+            movable.append(item)
+        for item in reversed(movable):  # root side first: the chain's last entry ends at the head
+            self._items.move_to_end(item, last=False)
+
+    def put_back(self, item: Any) -> None:
+        """Queue ``item``, which ``pop`` just took, at the head again."""
+        self._items[item] = None
+        self._items.move_to_end(item, last=False)
+
     def remove_many(self, items: Sequence[Any]) -> None:
         """Take every queued one of ``items`` out."""
         pop = self._items.pop
@@ -122,6 +140,14 @@ class PolicyFreeQueue:
 
     def remove(self, item: Any) -> None:
         self._members.discard(item)
+
+    def demote(self, chain: Sequence[Any]) -> None:
+        """Re-rank the queued entries of ``chain`` (their ``last_access`` just dropped)."""
+        self.refresh(chain)
+
+    def put_back(self, item: Any) -> None:
+        """Queue ``item``, which ``pop`` just took, again (ranked as before)."""
+        self.push_reversed([item])
 
     def remove_many(self, items: Sequence[Any]) -> None:
         self._members.difference_update(items)

@@ -1,23 +1,20 @@
 """vLLM-style Automatic Prefix Caching: chained hashes of full KV blocks.
 
-The baseline radixkv compares the radix tree against, following vLLM v1's
-``BlockPool``/``KVCacheManager`` design:
+The baseline radixkv compares the radix tree against, following vLLM v1's ``BlockPool``/``KVCacheManager`` design:
 
-* Block i's key is ``H(key of block i-1, tokens of block i)`` (block 0 chains
-  from a seed for the namespace; :mod:`radixkv.cache.block_hash`), so a key
-  names a whole prefix and a flat dict ``key -> block`` acts as a prefix tree.
+* Block i's key is ``H(key of block i-1, tokens of block i)`` (block 0 chains from a seed for the namespace;
+  :mod:`radixkv.cache.block_hash`), so a key names a whole prefix and a flat dict ``key -> block`` acts as a
+  prefix tree.
 * Only full blocks are cached; a partial last block stays with the request.
-* Blocks carry lock counts (vLLM's reference counts). A block whose count is 0
-  stays cached in a free queue, from which eviction takes its victims.
-* **Children first.** A block is never evicted while a cached block chains
-  from it, so every cached block stays reachable. With ``lru`` the free
-  queue's release order guarantees it: chains are queued tail first (by
-  ``unlock``, and by an ``insert`` below unlocked cached blocks, which queues
-  those again behind the new ones); the other policies' queues pass over a
-  block with cached children until its last child leaves.
-* Unlike vLLM, identical blocks computed concurrently are deduplicated at
-  ``insert`` (the second copy's slots go back to the caller as duplicates),
-  as the radix tree does, so both caches hold the same memory for the same content.
+* Blocks carry lock counts (vLLM's reference counts). A block whose count is 0 stays cached in a free queue,
+  from which eviction takes its victims.
+* **Children first.** A block is never evicted while a cached block chains from it, so every cached block
+  stays reachable. With ``lru`` the free queue's release order guarantees it: chains are queued tail first
+  (by ``unlock``, and by an ``insert`` below unlocked cached blocks, which queues those again behind the new
+  ones); the other policies' queues pass over a block with cached children until its last child leaves.
+* Unlike vLLM, identical blocks computed concurrently are deduplicated at ``insert`` (the second copy's slots
+  go back to the caller as duplicates), as the radix tree does, so both caches hold the same memory for the
+  same content.
 * Events (:mod:`radixkv.cache.events`) name blocks by their keys: an insert's new blocks are one
   ``BlockStored``, each evicted block a ``BlockRemoved`` (its namespace found from its chain's seed).
 """
@@ -165,8 +162,8 @@ class HashBlockCache:
         return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
 
     def block_keys(self, tokens: TokenSeq, namespace: Hashable = None) -> list[BlockKey]:
-        """The chained key of every full block of ``tokens``. O(blocks)."""
-        return self._keys.chain(tokens, namespace)
+        """The chained key of every full block of ``tokens`` (memoized as ``match_prefix``'s). O(blocks)."""
+        return self._keys.keys(tokens, namespace)
 
     # ------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
@@ -333,27 +330,48 @@ class HashBlockCache:
                 block.last_access = now
             self._queue.push_reversed(released)
 
-    def evict(self, num_tokens: int, victims: list[Evicted] | None = None) -> np.ndarray:
-        """Free unlocked blocks in policy order, children first, until ``num_tokens`` are freed or none is left.
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """Rank the cached blocks of ``tokens`` as the least recently used of all (``last_access`` below zero):
+        a lower tier's copies of what a nearer tier holds, as ``RadixCache.demote``. ``lru``'s queue takes
+        the chain's tail to its head, as far up as the blocks chain to nothing else (children still leave
+        first); other policies re-rank them. A lock's release restores them (under ``lru`` a lookup alone
+        moves no block, as in vLLM). Returns the tokens demoted. O(blocks) (x log n if not ``lru``)."""
+        chain, self._clock = [], self._clock + 1
+        for key in self.block_keys(tokens, namespace):
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            block.last_access = -self._clock
+            chain.append(block)
+        self._queue.demote(chain)
+        return len(chain) * self.block_size
 
-        Returns the freed slots (int64); the caller gives them back to its
-        allocator. A parent becomes a candidate in the same call once its last
-        cached child is gone. ``victims``, when given, gets an ``Evicted`` per block, in order (its whole
-        chain). O(k) for k blocks with lru, O(k log n) otherwise (+ O(depth) each with ``victims``).
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None, demoted_only: bool = False) -> np.ndarray:
+        """Free unlocked blocks in policy order, children first, until ``num_tokens`` are freed or none is left
+        (with ``demoted_only``, until the next victim is not demoted: see ``demote``).
+
+        Returns the freed slots (int64); the caller gives them back to its allocator. A parent becomes a
+        candidate in the same call once its last cached child is gone. ``victims``, when given, gets an
+        ``Evicted`` per block, in order (its whole chain). O(k) for k blocks with lru, O(k log n) otherwise
+        (+ O(depth) each with ``victims``, O(1) for a block right after its child).
         """
-        freed, count = [], 0
+        freed, count, last = [], 0, None
         blocks, queue = self._blocks, self._queue
         namespaces: dict[BlockKey, Hashable] = {}  # for events: key -> namespace, of this call's walks
         while count < num_tokens:
             block = queue.pop()
             if block is None:
                 break
+            if demoted_only and block.last_access >= 0:
+                queue.put_back(block)  # not this call's to take
+                break
             if self.policy.observes:
                 self.policy.evicted(block)
             if self.listener is not None:
                 self.listener(BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
             if victims is not None:
-                victims.append(self._evicted(block, namespaces))
+                victims.append(self._evicted(block, namespaces, last))
+                last = block, victims[-1]
             block.cached = False
             del blocks[block.key]
             freed.append(block.slots)
@@ -379,8 +397,12 @@ class HashBlockCache:
             known[key] = namespace
         return namespace
 
-    def _evicted(self, block: Block, known: dict[BlockKey, Hashable]) -> Evicted:
-        """Block's whole chain (still cached) as an ``Evicted``. O(depth)."""
+    def _evicted(self, block: Block, known: dict[BlockKey, Hashable], after: tuple | None = None) -> Evicted:
+        """Block's whole chain (still cached) as an ``Evicted``. O(depth); O(1) when ``after`` is its child
+        and that child's record (the child's chain less one block)."""
+        if after is not None and after[0].parent_key == block.key:
+            bs, prev = self.block_size, after[1]
+            return prev._replace(tokens=prev.tokens[:-bs], slots=prev.slots[:-bs])
         chain = [block]
         while chain[-1].parent_key in self._blocks:
             chain.append(self._blocks[chain[-1].parent_key])

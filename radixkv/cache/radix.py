@@ -35,12 +35,11 @@ from radixkv.cache.base import (
     LockError,
     MatchResult,
     TokenSeq,
-    all_unique,
     as_token_array,
 )
 from radixkv.cache.events import AllBlocksCleared, CacheListener
 from radixkv.cache.eviction import EvictionPolicy, PriorityPolicy, make_policy, policy_clock
-from radixkv.cache.invariants import requirer
+from radixkv.cache.radix_checks import check_tree
 from radixkv.cache.radix_events import removed, stored
 from radixkv.cache.radix_node import RadixNode
 from radixkv.cache.render import empty_tree
@@ -373,11 +372,31 @@ class RadixCache:
         if leaf.lock_count == 0 and not leaf.children:
             self._push(leaf)
 
-    def evict(self, num_tokens: int, victims: list[Evicted] | None = None) -> np.ndarray:
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """Rank the nodes wholly within the cached prefix of ``tokens`` as the least recently used of all
+        (``last_access`` below zero, the latest demotion lowest): a lower tier's copies of what a nearer tier
+        holds. Under ``lru`` they are evicted before any other node, and ``evict(..., demoted_only=True)``
+        takes only them; other policies weigh the age with their own statistics. A match or insert through
+        them restores them. Splits nothing. Returns the tokens demoted. O(n) memcmp work + O(d)."""
+        _, query = self._key_of(tokens)
+        node = self._root_for(namespace, create=False)
+        if node is None:
+            return 0
+        self._clock += 1
+        mark, pb, off = -self._clock, self._page_bytes, 0
+        while (child := node.children.get(query[off : off + pb])) is not None and query.startswith(child.key, off):
+            off += len(child.key)
+            node = child
+            node.last_access = mark
+        if node.parent is not None and self._live(node):
+            self._push(node)
+        return off // _ITEM
+
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None, demoted_only: bool = False) -> np.ndarray:
         """Remove unlocked leaves in policy order until ``num_tokens`` are freed.
 
-        Stops early without error when nothing is evictable. Returns the freed
-        slot indices (int64); the caller gives them back to its allocator.
+        Stops early without error when nothing is evictable (with ``demoted_only``, when the next victim was
+        not demoted). Returns the freed slot indices (int64); the caller gives them back to its allocator.
         ``victims``, when given, gets an ``Evicted`` per removed leaf, in order (a tiered cache writes them
         back). O(k log N) for k removed leaves (plus stale heap entries skipped,
         amortized against the pushes that made them; + O(depth + path tokens) each with ``victims``).
@@ -388,6 +407,9 @@ class RadixCache:
         while count < num_tokens:
             node = policy.pop(self._live)
             if node is None:
+                break
+            if demoted_only and node.last_access >= 0:
+                self._push(node)  # back where it was: not this call's to take
                 break
             if policy.observes:
                 policy.evicted(node)
@@ -445,26 +467,7 @@ class RadixCache:
     def check_invariants(self) -> None:
         """Verify every structural invariant (the tree's structure, lock counts, sizes, heap and slots); raise
         ``AssertionError`` naming the broken one. O(N + tokens)."""
-        require = requirer("RadixCache")
-        live = self.policy.candidates()
-        total = protected = nodes = 0
-        for ns, root in self._roots.items():
-            require(root.parent is None and not root.key and root.lock_count == 0, "root",
-                    f"root of namespace {ns!r} must be empty, parentless and unlocked")
-        for node in self._all_nodes():
-            nodes += 1
-            n = len(node.value)
-            node.check_invariants(require, self.page_size, self._clock)
-            if not node.children and node.lock_count == 0:
-                require(id(node) in live, "every evictable leaf is in the eviction heap", node)
-            total += n
-            protected += n if node.lock_count > 0 else 0
-        require(nodes == self._num_nodes, "node count", f"counted {nodes}, recorded {self._num_nodes}")
-        require(total == self._total, "sizes: total", f"counted {total}, recorded {self._total}")
-        require(protected == self._protected, "sizes: protected", f"counted {protected}, recorded {self._protected}")
-        require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
-        require(all_unique(self.held_slots()), "slot indices unique across the tree")
-        self.policy.check_invariants(list(self._all_nodes()), require)
+        check_tree(self, list(self._all_nodes()))
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The tree of one namespace as nested dicts, one per node (an empty root if it holds nothing), for

@@ -13,13 +13,19 @@ Write policies (SGLang's names) decide when device KV is copied down:
   insertion as the first and each admission that reuses it as one more (once per admission, at
   ``plan_load``, against the match's last entry: reuses, not lookups); 1 is ``write_through``;
 * ``write_back``: when the device tier evicts it (the whole prefix through the entry, ancestors the device
-  still holds included: a lower tier is a prefix tree too).
+  still holds included: a lower tier is a prefix tree too); ``write_through`` too, into an exclusive tier
+  that dropped the copy it made at insert.
 
-Unlike SGLang's host tier, which never drops the copy of a prefix the device still holds, each lower tier
-runs its own LRU (refreshed whenever an admission or a write matches it): under ``write_through`` a copy
-the device also holds can be dropped, and the prefix is lost if the device evicts it later. The host tier
-is still inclusive in effect: under ``write_through`` it holds a copy of what the device holds, so a
-device of C tokens over a host of R x C keeps about what one tier of R x C keeps (docs/tiers.md).
+Under ``write_through`` and ``write_back`` an *exclusive* tier (``Tier.exclusive``: one replica's own,
+evicting ``lru``) holds little of what the device holds: its copy of a prefix the device holds is
+``demote``d, ranked below everything else, whenever the device gets or keeps that prefix (an insert, an
+admission's device match, a load), and the device's evictions are written down where it dropped the copy.
+``write_through`` copies each insert into its free slots or slots of such spare copies only, never
+displacing a prefix only that tier keeps. A device of C tokens over a host of R x C then keeps about what
+one tier of (1 + R) x C keeps, where SGLang's host tier, which never drops the copy of a prefix the device
+holds, keeps what one tier of R x C does (docs/tiers.md). The other tiers are *inclusive*, as SGLang's: a
+shared store (its copies serve other replicas), a tier under another eviction policy (demotion would fight
+its own order: frequencies, ghosts, classes), and every tier under ``write_through_selective``.
 
 ``match_prefix`` is the device tier's. ``plan_load`` then says how far the lower tiers extend a match
 (per tier, nearest first, each only where ``worth_loading`` says loading beats recomputing), and locks
@@ -47,6 +53,7 @@ from radixkv.cache.events import CacheListener
 from radixkv.memory import SlotAllocator
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EXCLUSIVE = ("write_through", "write_back")  # where exclusive tiers demote what the device holds
 MEDIUM = {"device": "GPU", "host": "CPU", "storage": "STORAGE"}  # vLLM's KV event ``medium`` per tier
 
 
@@ -65,29 +72,35 @@ class Copy:
 
 class Tier:
     """One lower tier: ``name`` (``host``, ``storage``), a prefix cache over this tier's slots and their
-    allocator. ``shared``: one store several replicas' caches use (a cluster's storage)."""
+    allocator. ``shared``: one store several replicas' caches use (a cluster's storage). ``exclusive``:
+    whether a tiered cache keeps it nearly exclusive of the device (one replica's own tier under ``lru``;
+    see the module doc)."""
 
     def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False):
         if allocator.page_size != cache.page_size:
             raise ValueError(f"tier {name!r}: the allocator's page {allocator.page_size} is not the cache's "
                              f"{cache.page_size}")
         self.name, self.cache, self.allocator, self.shared = name, cache, allocator, shared
+        self.exclusive = not shared and getattr(cache, "eviction_policy", None) == "lru"
 
-    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS
+    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Make room for the whole pages of ``tokens`` this tier lacks, evicting its own entries: ``(held,
-        fresh)``, the slots of the leading tokens it holds and fresh slots for as many further whole pages as
-        fit (none when it holds them all). The caller copies, then ``keep``s them. ``hints``: the writing
-        request's (none for a write-back), for the tier's eviction policy. O(tokens) + the eviction."""
+        """Make room for the whole pages of ``tokens`` this tier lacks, evicting its own entries (with
+        ``displace`` False, only demoted ones): ``(held, fresh)``, the slots of the leading tokens it holds
+        (refreshed) and fresh slots for as many further whole pages as fit (none when it holds them all).
+        The caller copies, then ``keep``s them. ``hints``: the writing request's (none for a write-back), for
+        the tier's eviction policy. O(tokens) + the eviction."""
         n = self.cache.cacheable_length(len(tokens))
         m = self.cache.match_prefix(tokens[:n], namespace, hints)
-        if m.length >= n:
+        if m.length >= n and not self.exclusive:
             return m.indices, m.indices[:0]
         self.cache.lock(m.node)  # the path the new pages hang from must survive the eviction
         try:
+            if m.length >= n:  # held whole: the lock's release refreshes it (a hash queue's lookup does not)
+                return m.indices, m.indices[:0]
             short = n - m.length - self.allocator.num_free
             if short > 0:
-                self.allocator.free(self.cache.evict(short))
+                self.allocator.free(self.cache.evict(short, demoted_only=not displace))
             page = self.allocator.page_size
             fit = min(n - m.length, self.allocator.num_free // page * page)
             return m.indices, self.allocator.alloc(fit) if fit else m.indices[:0]
@@ -232,22 +245,28 @@ class TieredCache:
         """The device tier's insert; ``write_through`` first copies what the lower tiers lack (from
         ``indices``, which hold the KV now, duplicates included). Unequal lengths raise ``ValueError``
         before anything is copied, as the device's own check would, so no tier changes."""
-        if self.write_policy == "write_through" or (self.write_policy == "write_through_selective"
-                                                     and self.write_threshold == 1):  # its insert is a hit
+        through = self.write_policy == "write_through"
+        if through or (self.write_policy == "write_through_selective" and self.write_threshold == 1):  # a hit
             arr, idx = as_token_array(tokens), as_token_array(indices)
             if len(arr) != len(idx):
                 raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
-            self._write(arr, idx, namespace, hints)
+            self._write(arr, idx, namespace, hints, displace=not through)
+            self._demote(arr, namespace)
         return self.device.insert(tokens, indices, namespace, hints)
 
     def evict(self, num_tokens: int) -> np.ndarray:
-        """The device tier's eviction; ``write_back`` copies each evicted entry's prefix down first."""
-        if self.write_policy != "write_back":
+        """The device tier's eviction; ``write_back`` and ``write_through`` copy each evicted entry's prefix
+        down first where a tier lacks it."""
+        if self.write_policy not in EXCLUSIVE:
             return self.device.evict(num_tokens)
         victims: list[Evicted] = []
         freed = self.device.evict(num_tokens, victims)
+        last: Evicted | None = None
         for v in victims:
-            self._write(v.tokens, v.slots, v.namespace)
+            if last is not None and _within(v, last):  # a chain leaves tail first: its prefix was just written
+                continue
+            self._write(v.tokens, v.slots, v.namespace, back=True)
+            last = v
         return freed
 
     # ------------------------------------------------------------------ loads
@@ -264,6 +283,7 @@ class TieredCache:
         start = match.length
         for tier in self.tiers:
             m = tier.cache.match_prefix(arr, namespace, hints)
+            self._demote(arr[: match.length], namespace, [tier])  # the device holds that much
             if m.length <= start:
                 continue
             if self.worth_loading is not None and not self.worth_loading(tier.name, m.length - start, start):
@@ -290,8 +310,10 @@ class TieredCache:
                 self._copy(Copy(tier.name, "device", m.indices[start:stop], slots[start - m0 : stop - m0]))
                 self.loaded_tokens[tier.name] += stop - start
         finally:
+            tiers = [part.tier for part in plan.parts]
             self.cancel(plan)
         stop = m0 + len(slots)
+        self._demote(plan.tokens[:stop], plan.namespace, tiers)
         already = self.device.insert(plan.tokens[:stop], np.concatenate([plan.match.indices, slots]), plan.namespace)
         # the plan's device path is locked and nothing inserts between plan_load and load (evictions only)
         assert already == m0, f"load: the device tier held {already} tokens, the plan {m0}"
@@ -314,15 +336,27 @@ class TieredCache:
 
     # ------------------------------------------------------------------ writes
     def _write(self, tokens: np.ndarray, slots: np.ndarray, namespace: Hashable,
-               hints: CacheHints = NO_HINTS) -> None:
+               hints: CacheHints = NO_HINTS, displace: bool = True, back: bool = False) -> None:
         """Copy the whole pages of ``tokens`` (device KV at ``slots``) into every lower tier lacking them; the
-        tiers' caches get the writing request's ``hints`` (none for a write-back)."""
+        tiers' caches get the writing request's ``hints`` (none for a write-back). ``displace``: see
+        ``Tier.store`` (an inclusive tier demotes nothing, so it always may). ``back``: a device eviction's,
+        which ``write_through`` writes into exclusive tiers only."""
         for tier in self.tiers:
-            held, fresh = tier.store(tokens, namespace, hints)
+            if back and self.write_policy == "write_through" and not tier.exclusive:
+                continue
+            held, fresh = tier.store(tokens, namespace, hints, displace or not tier.exclusive)
             if len(fresh):
                 self._copy(Copy("device", tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
                 tier.keep(tokens, held, fresh, namespace, hints)
                 self.written_tokens[tier.name] += len(fresh)
+
+    def _demote(self, tokens: np.ndarray, namespace: Hashable, tiers: Sequence[Tier] | None = None) -> None:
+        """The device holds ``tokens``: under ``EXCLUSIVE`` write policies each exclusive tier of ``tiers`` (all
+        by default) demotes its copy of them."""
+        if self.write_policy in EXCLUSIVE and len(tokens):
+            for tier in self.tiers if tiers is None else tiers:
+                if tier.exclusive:
+                    tier.cache.demote(tokens, namespace)
 
     def _copy(self, copy: Copy) -> None:
         if self.mover is not None:
@@ -376,6 +410,12 @@ class TieredCache:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{t.name}={t.cache.total_size}/{t.allocator.capacity}" for t in self.tiers)
         return f"TieredCache({self.device!r}, {sizes}, write_policy={self.write_policy!r})"
+
+
+def _within(a: Evicted, b: Evicted) -> bool:
+    """Whether ``a``'s prefix is a prefix of ``b``'s (the same namespace). O(len(a))."""
+    n = len(a.tokens)
+    return a.namespace == b.namespace and n <= len(b.tokens) and np.array_equal(a.tokens, b.tokens[:n])
 
 
 def _last_entry(node: Any) -> Any:

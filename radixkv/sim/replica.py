@@ -91,12 +91,12 @@ class Running(RequestState):
     req: Request | None = None
     ready: float = 0.0  # when it was sent (arrival, or parent finish + think time)
     admitted: float = 0.0
-    first_token: float = -1.0
+    first_token: float = -1.0  # kept across a preemption: the engine's ``ttft`` is the token's first time too
     generated: int = 0
 
     def reset(self) -> None:
         super().reset()
-        self.first_token, self.generated = -1.0, 0
+        self.generated = 0
 
 
 def output_tokens(req: Request, fresh: list[int]) -> np.ndarray:
@@ -257,8 +257,8 @@ class Replica:
         for s in decoding:
             s.generated += strides
         for s, _ in chunks:
-            if not s.prefilling:  # the last chunk's logits give the first token
-                s.first_token, s.generated = self.now, 1
+            if not s.prefilling:  # the last chunk's logits give the first token (again, after a preemption)
+                s.first_token, s.generated = self.now if s.first_token < 0 else s.first_token, 1
         for s in [s for s in self.scheduler.running if s.generated >= s.req.output_len]:
             self._finish(s)
 
