@@ -123,11 +123,12 @@ class BlockHasher:
         data = arr[: nblocks * self.block_size].astype(LE_INT64, copy=False).tobytes()
         return arr, data, nblocks
 
-    def chain(self, tokens: TokenSeq, namespace: Hashable = None) -> list[BlockKey]:
-        """The chained key of every full block of ``tokens``, without the memo. O(blocks) hashes."""
-        _, data, nblocks = self.full_blocks(tokens)
-        step, h, keys = 8 * self.block_size, self.seed(namespace), []
-        for i in range(nblocks):
+    def extend(self, keys: list[BlockKey], data: bytes, nblocks: int, namespace: Hashable) -> list[BlockKey]:
+        """``keys`` (the leading blocks' of ``data``, as ``recall`` gives them) completed to all ``nblocks``
+        full blocks, in place. O(new blocks) hashes."""
+        step = 8 * self.block_size
+        h = keys[-1] if keys else self.seed(namespace)
+        for i in range(len(keys), nblocks):
             h = self.hash(h, data[i * step : (i + 1) * step])
             keys.append(h)
         return keys
@@ -136,11 +137,7 @@ class BlockHasher:
         """The chained key of every full block of ``tokens``, hashing only the blocks the memo lacks (and
         remembering them). O(blocks) memcmp + the new blocks' hashes."""
         _, data, nblocks = self.full_blocks(tokens)
-        keys, step = self.recall(data, namespace), 8 * self.block_size
-        h = keys[-1] if keys else self.seed(namespace)
-        for i in range(len(keys), nblocks):
-            h = self.hash(h, data[i * step : (i + 1) * step])
-            keys.append(h)
+        keys = self.extend(self.recall(data, namespace), data, nblocks, namespace)
         self.remember(data, namespace, keys)
         return keys
 

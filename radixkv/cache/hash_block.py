@@ -221,12 +221,8 @@ class HashBlockCache:
         if len(idx) != len(arr):
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
-        now, step = self._clock, 8 * self.block_size
-        keys = hasher.recall(data, namespace)
-        h = keys[-1] if keys else hasher.seed(namespace)
-        for i in range(len(keys), nblocks):
-            h = self._hash(h, data[i * step : (i + 1) * step])
-            keys.append(h)
+        now = self._clock
+        keys = hasher.extend(hasher.recall(data, namespace), data, nblocks, namespace)
         blocks = self._blocks
         leading = nblocks
         for i, h in enumerate(keys):  # the cached leading blocks: refresh them

@@ -92,12 +92,13 @@ class Tier:
         the tier's eviction policy. O(tokens) + the eviction."""
         n = self.cache.cacheable_length(len(tokens))
         m = self.cache.match_prefix(tokens[:n], namespace, hints)
-        if m.length >= n and not self.exclusive:
+        if m.length >= n:
+            if self.exclusive:  # a lock's release refreshes what the match found (a hash queue's lookup does not)
+                self.cache.lock(m.node)
+                self.cache.unlock(m.node)
             return m.indices, m.indices[:0]
         self.cache.lock(m.node)  # the path the new pages hang from must survive the eviction
         try:
-            if m.length >= n:  # held whole: the lock's release refreshes it (a hash queue's lookup does not)
-                return m.indices, m.indices[:0]
             short = n - m.length - self.allocator.num_free
             if short > 0:
                 self.allocator.free(self.cache.evict(short, demoted_only=not displace))
