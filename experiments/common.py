@@ -181,6 +181,15 @@ def table(rows: Sequence[dict], columns: Sequence[str], formats: dict[str, str] 
     return "\n".join([line, "-" * len(line), *body])
 
 
+def log_capacity_axis(ax, millions: Iterable[float], label: str) -> None:
+    """A log x axis ticked at each capacity (in millions of tokens, as plain numbers), labelled ``label``."""
+    caps = sorted(set(millions))
+    ax.set_xscale("log")
+    ax.set_xticks(caps, [f"{c:g}" for c in caps])
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+
+
 def save_figure(fig, out: str | Path) -> Path:
     """Write ``fig`` as PNG next to ``out`` (its extension replaced) and close it; the path written."""
     path = with_ext(out, ".png")

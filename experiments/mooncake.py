@@ -28,6 +28,7 @@ from experiments.common import (  # noqa: E402
     check_budgets,
     environment,
     fractions_from,
+    log_capacity_axis,
     names_from,
     parser,
     run_cli,
@@ -64,11 +65,8 @@ def plot(rows: list[dict], bound: float):
     if ref:
         ax.plot(*zip(*ref, strict=True), "k--", label="belady (radix page 1)")
     ax.axhline(bound, color="grey", linestyle=":", label=f"upper bound {bound:.1%}")
-    ax.set_xscale("log")
-    caps = sorted({r["capacity_tokens"] / 1e6 for r in rows if r["capacity_tokens"] is not None})
-    ax.set_xticks(caps, [f"{c:g}" for c in caps])
-    ax.minorticks_off()
-    ax.set_xlabel("KV cache capacity (million tokens)")
+    log_capacity_axis(ax, (r["capacity_tokens"] / 1e6 for r in rows if r["capacity_tokens"] is not None),
+                      "KV cache capacity (million tokens)")
     ax.set_ylabel("prefix hit rate (prompt tokens)")
     ax.set_title("Mooncake conversation trace: hit rate vs capacity")
     ax.legend(fontsize=8)
