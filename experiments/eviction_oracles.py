@@ -113,17 +113,22 @@ def with_oracle(requests: Sequence[Request], gaps: np.ndarray, horizon: float) -
             for r, g in zip(requests, gaps, strict=True)]
 
 
-def with_group_rates(requests: Sequence[Request], parents: Sequence[int], gaps: np.ndarray) -> list[Request]:
-    """The requests, each with priority = the share (in thousandths) of its feature group (``features``)
-    that the whole trace continues: the best estimate any learner of those features could make."""
+def group_rates(feats: Sequence[tuple], gaps: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each request's feature group's (``features``) continued share over the whole trace, in hindsight: the
+    best estimate any learner of those features could make; and how many groups there are."""
     cont = np.isfinite(gaps)
     groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, f in enumerate(features(requests, parents)):
+    for i, f in enumerate(feats):
         groups[f].append(i)
-    rate = np.zeros(len(requests), dtype=np.int64)
+    rate = np.zeros(len(feats))
     for ids in groups.values():
-        rate[ids] = round(1000 * cont[ids].mean())
-    return [dataclasses.replace(r, priority=int(x)) for r, x in zip(requests, rate, strict=True)]
+        rate[ids] = cont[ids].mean()
+    return rate, len(groups)
+
+
+def with_group_rates(requests: Sequence[Request], rates: np.ndarray) -> list[Request]:
+    """The requests, each with priority = its ``group_rates`` rate in thousandths."""
+    return [dataclasses.replace(r, priority=round(1000 * x)) for r, x in zip(requests, rates, strict=True)]
 
 
 class GroupRate(LatestHint):
@@ -150,28 +155,23 @@ class Arm:
     horizon: float | None = None
 
 
-def arms() -> dict[str, Arm]:
-    out = {p: Arm(p) for p in ONLINE}
-    out["continues"] = Arm("latest_hint", "continues", math.inf)
-    out.update({f"continues <= {g:g} s": Arm("latest_hint", "continues", g) for g in GAPS})
-    out["group rates (hindsight)"] = Arm("group_rate", "group_rates")
-    out["belady"] = Arm("belady")
-    return out
+ARMS: dict[str, Arm] = {**{p: Arm(p) for p in ONLINE}, "continues": Arm("latest_hint", "continues", math.inf),
+                        **{f"continues <= {g:g} s": Arm("latest_hint", "continues", g) for g in GAPS},
+                        "group rates (hindsight)": Arm("group_rate", "group_rates"), "belady": Arm("belady")}
 
 
-def run_arm(requests: Sequence[Request], parents: Sequence[int], gaps: np.ndarray, arm: str, capacity: int,
+def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: np.ndarray, arm: str, capacity: int,
             seed: int) -> dict:
-    """One replay: the arm's hit rate, evicted tokens and wall seconds."""
-    a = arms()[arm]
+    """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: ``group_rates``')."""
+    a = ARMS[arm]
     t0 = time.perf_counter()
     if a.hints is None:
         res = simulate(requests, cache="radix", page_size=512, eviction_policy=a.policy, capacity_tokens=capacity,
                        seed=seed)
     else:
-        hinted = (with_oracle(requests, gaps, a.horizon) if a.hints == "continues"
-                  else with_group_rates(requests, parents, gaps))
-        policy = LatestHint() if a.hints == "continues" else GroupRate()
-        cache = make_cache("radix", page_size=512, eviction_policy=policy)
+        continues = a.hints == "continues"
+        hinted = with_oracle(requests, gaps, a.horizon) if continues else with_group_rates(requests, rates)
+        cache = make_cache("radix", page_size=512, eviction_policy=LatestHint() if continues else GroupRate())
         res = simulate(hinted, cache=cache, capacity_tokens=capacity, seed=seed)
     s = res.summary()
     return {"arm": arm, "eviction_policy": a.policy, "hints": a.hints, "oracle_horizon_s": a.horizon,
@@ -216,10 +216,9 @@ def weighted_auc(score: np.ndarray, label: np.ndarray, weight: np.ndarray) -> fl
     return float((p * (below + n / 2)).sum() / (pos.sum() * neg.sum()))
 
 
-def predictability(requests: Sequence[Request], parents: Sequence[int], gaps: np.ndarray) -> dict:
+def predictability(requests: Sequence[Request], feats: Sequence[tuple], gaps: np.ndarray) -> dict:
     """Per feature value: requests, share of prompt tokens, share continued (and within 60 s), median gap to
     the next turn; and the token-weighted AUC of the in-hindsight rate of each request's feature group."""
-    feats = features(requests, parents)
     tokens = np.array([len(r.prompt) for r in requests], dtype=float)
     cont = np.isfinite(gaps).astype(float)
     rows = []
@@ -233,13 +232,8 @@ def predictability(requests: Sequence[Request], parents: Sequence[int], gaps: np
                          "token_share": tokens[ids].sum() / tokens.sum(), "continued": cont[ids].mean(),
                          "continued_60s": float(np.mean(g <= 60.0)),
                          "median_next_gap_s": float(np.median(g[np.isfinite(g)])) if np.isfinite(g).any() else None})
-    cells: dict[tuple, list[int]] = defaultdict(list)
-    for i, f in enumerate(feats):
-        cells[f].append(i)
-    hindsight = np.zeros(len(requests))
-    for ids in cells.values():
-        hindsight[ids] = cont[ids].mean()
-    return {"groups": rows, "cells": len(cells), "auc_tokens": weighted_auc(hindsight, cont, tokens),
+    hindsight, cells = group_rates(feats, gaps)
+    return {"groups": rows, "cells": cells, "auc_tokens": weighted_auc(hindsight, cont, tokens),
             "auc_turn_tokens": weighted_auc(np.array([int(f[0].rstrip("+")) for f in feats], dtype=float), cont,
                                             tokens)}
 
@@ -290,28 +284,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--capacities", default="1e6,2e6,4e6,8e6", help="radix cache capacities, tokens")
-    p.add_argument("--arms", default=",".join(arms()), help=f"comma-separated subset of {list(arms())}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
     p.add_argument("--min-shared-blocks", type=int, default=2, help="leading blocks a parent shares, at least")
     args = p.parse_args(argv)
     if (args.limit is not None and args.limit < 1) or args.min_shared_blocks < 1:
         p.error("--limit and --min-shared-blocks must be >= 1")
-    chosen = names_from(args.arms, arms(), "--arms")
+    chosen = names_from(args.arms, ARMS, "--arms")
     caps = [int(c) for c in fractions_from(args.capacities, "--capacities")]
     if not all(caps):
         raise ValueError("--capacities: every capacity must be >= 1 token (the oracles need evictions)")
     records = read_trace(args.trace, args.limit)
     requests, bound = trace_requests(records), trace_upper_bound(records)["hit_rate"]
     parents = conversation_links(requests, args.min_shared_blocks)
-    gaps = next_turn_gaps(requests, parents)
+    gaps, feats = next_turn_gaps(requests, parents), features(requests, parents)
+    rates = group_rates(feats, gaps)[0]
     config = {"trace": args.trace, "limit": args.limit, "cache": "radix", "page_size": 512,
               "min_shared_blocks": args.min_shared_blocks, "seed": args.seed, "simulate": "defaults (CostModel())",
               "upper_bound": bound, "env": environment(), "args": vars(args)}
     runs = []
     for cap in caps:
         for arm in chosen:
-            runs.append({**run_arm(requests, parents, gaps, arm, cap, args.seed), **config})
+            runs.append({**run_arm(requests, gaps, rates, arm, cap, args.seed), **config})
             print(f"{cap:>10,} {arm:<22} {runs[-1]['hit_rate']:.4f} ({runs[-1]['seconds']:.1f} s)", flush=True)
-    pred = predictability(requests, parents, gaps)
+    pred = predictability(requests, feats, gaps)
     rows = runs + [{"kind": "predictability", **pred, **config}]
     print(table(runs, ["capacity_tokens", "arm", "hit_rate", "seconds"], {"hit_rate": ".4f", "seconds": ".1f"}))
     text = markdown(runs, pred, bound)

@@ -93,8 +93,9 @@ def test_the_command_writes_runs_predictability_and_tables(tmp_path):
 def test_group_rates_are_each_feature_groups_continued_share():
     requests = trace_requests(_records())
     parents = eo.conversation_links(requests)
-    rated = eo.with_group_rates(requests, parents, eo.next_turn_gaps(requests, parents))
-    assert [r.priority for r in rated] == [333, 333, 1000, 333, 0]
+    rates, groups = eo.group_rates(eo.features(requests, parents), eo.next_turn_gaps(requests, parents))
+    assert groups == 3
+    assert [r.priority for r in eo.with_group_rates(requests, rates)] == [333, 333, 1000, 333, 0]
     policy = eo.GroupRate(horizon=10.0)
     cache = make_cache("radix", page_size=1, eviction_policy=policy)
     cache.insert([1, 2], np.array([0, 1]), hints=CacheHints(priority=1000))
