@@ -17,7 +17,7 @@ usage: scripts/gpu_check.sh [--wheels DIR] [--jit-cache DIR] [--timeout SECONDS]
                     folder instead of `pip install -e ".[dev,gpu]"`
   --jit-cache DIR   FlashInfer's JIT workspace (FLASHINFER_WORKSPACE_BASE), kept between runs
                     (default: a temporary folder, removed at the end, so every run compiles afresh)
-  --timeout SECONDS the whole check's limit (default 540; on an H200 the kernels alone took 224 s)
+  --timeout SECONDS the whole check's limit (default 540; on an H200 the kernels alone take about 260 s)
   -h, --help        this text
 
 Arguments after the options (pytest options after `--`) go to pytest.

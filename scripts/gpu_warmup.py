@@ -4,16 +4,20 @@
 FlashInfer JIT-compiles one module per (kernel, dtype, head dim) on first use, and the tests would build
 them one after another. Two steps, each printing how long it took:
 
-1. One ninja run over every module (FlashInfer's ``build_jit_specs``), so that MAX_JOBS compile jobs stay
-   busy across modules: an FA3 module alone is ten sources of about two CPU-minutes each, which one
-   module's own build would spread over ten jobs at most. The specs are the ones the wrappers' ``plan``
-   asks for (FA2 batch prefill and batch decode, and FA3 prefill on Hopper); they come from FlashInfer's
-   internal generators, so a FlashInfer without them skips this step and step 2 compiles instead.
+1. Every module the steps use, built where ``plan`` will look for it: each module's own ninja run in its
+   own build folder (FlashInfer's ``JitSpec.build``), WORKERS modules at a time with MAX_JOBS / WORKERS
+   compile jobs each, the FA3 modules first (ten sources of about a CPU-minute each). Not FlashInfer's
+   ``build_jit_specs``: its one ninja run keeps the build log and header dependencies in the JIT folder
+   above the modules', so the module's own ninja, which ``plan`` runs, finds no record of the objects and
+   compiles them all again (on an H200, 12 modules in 259 s, then 116 s more for the first configuration
+   alone). The specs are the ones the wrappers' ``plan`` asks for (FA2 batch prefill and batch decode, and
+   FA3 prefill on Hopper); they come from FlashInfer's internal generators, so a FlashInfer without them
+   skips this step and step 2 compiles instead.
 2. In this process, one dtype and head dim after another: radixkv's flashinfer backend plans and runs a
    100-token prefill (FA3 on Hopper), a 16-token prefill (FA2) and a decode; the first plan of a module
-   loads it, or builds it (with all MAX_JOBS) when step 1 did not. Not in worker processes: on an H200,
-   four spawned workers started after step 1 (12 modules in 224 s) had not finished loading 200 s later,
-   while one configuration built and ran in this process in 122 s from nothing.
+   loads it (its ninja finds nothing to do), or builds it (with all MAX_JOBS) when step 1 did not. Not in
+   worker processes: on an H200, four spawned workers had not finished loading 200 s after starting, while
+   one configuration built and ran in this process in 122 s from nothing.
 
 Run by scripts/gpu_check.sh with FLASHINFER_CUDA_ARCH_LIST, FLASHINFER_WORKSPACE_BASE and MAX_JOBS set.
 """
@@ -23,39 +27,49 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
 NUM_KV_HEADS, GROUP, PAGE_SIZE = 2, 4, 16
+WORKERS = 4  # modules compiled at once in step 1
 # (label, new tokens, cached prefix tokens) of the one request of each step
 STEPS = (("prefill of 100 tokens", 100, 0), ("prefill of 16 tokens", 16, 0), ("decode", 1, 37))
 
 
 def prebuild(configs: list[tuple[str, int]]) -> None:
-    """Step 1: build every module the steps use with one ninja run."""
+    """Step 1: build every module the steps use, each in its own folder, WORKERS at a time."""
     import torch
 
     try:
         from flashinfer.jit.attention import modules as gen
-        from flashinfer.jit.core import build_jit_specs
 
         fa3 = torch.cuda.get_device_capability() == (9, 0)  # FlashInfer's FA3 kernels are sm90 only
-        specs = []
+        first, rest = [], []
         for dtype_name, head_dim in configs:
             dt = getattr(torch, dtype_name)
             # the arguments plan() passes: q/kv/out dtype, int32 page indptr, head dims, no RoPE,
             # no sliding window, no soft cap, no fp16 QK reduction, no per-token scales
             args = (dt, dt, dt, torch.int32, head_dim, head_dim, 0, False, False, False, False)
-            specs.append(gen._gen_batch_prefill_primary_module("fa2", *args))
             if fa3:
-                specs.append(gen.gen_batch_prefill_module("fa3", *args))
-            specs.append(gen.gen_batch_decode_module(*args[:9]))
+                first.append(gen.gen_batch_prefill_module("fa3", *args))
+            rest.append(gen._gen_batch_prefill_primary_module("fa2", *args))
+            rest.append(gen.gen_batch_decode_module(*args[:9]))
+        specs = first + rest
+        build = [spec.build for spec in specs]  # JitSpec.build: write build.ninja, run ninja in build_dir
     except (ImportError, AttributeError, TypeError) as e:  # another FlashInfer's internals
         print(f"step 1 skipped, this FlashInfer's JIT internals differ ({type(e).__name__}: {e})", flush=True)
         return
+    total_jobs = int(os.environ["MAX_JOBS"])
+    workers = max(1, min(WORKERS, total_jobs, len(specs)))
+    os.environ["MAX_JOBS"] = str(max(1, total_jobs // workers))  # run_ninja reads it: -j per module
     t0 = time.perf_counter()
-    build_jit_specs(specs)
-    print(f"step 1: {len(specs)} modules built with MAX_JOBS={os.environ.get('MAX_JOBS')} in "
+    try:
+        with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own ninja process
+            list(pool.map(lambda b: b(need_lock=True), build))
+    finally:
+        os.environ["MAX_JOBS"] = str(total_jobs)
+    print(f"step 1: {len(specs)} modules built, {workers} at a time with {total_jobs // workers} jobs each, in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 

@@ -24,8 +24,12 @@ BUDGET = 60 * 2**20
 
 @pytest.fixture(scope="module")
 def trim_module():
-    """scripts/trim_flashinfer_wheel.py as a module, without leaving a __pycache__ in the repo."""
-    spec = importlib.util.spec_from_file_location("trim_flashinfer_wheel", SCRIPTS / "trim_flashinfer_wheel.py")
+    return load_script("trim_flashinfer_wheel")
+
+
+def load_script(name):
+    """A script of scripts/ as a module, without leaving a __pycache__ in the repo."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
@@ -33,6 +37,49 @@ def trim_module():
     finally:
         sys.dont_write_bytecode = before
     return module
+
+
+# --- gpu_warmup.py's step 1: each module built by its own ninja, where plan() looks ------------------------------
+
+class FakeSpec:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def build(self, need_lock=False):
+        self.log.append((self.name, need_lock, os.environ["MAX_JOBS"]))
+
+
+def test_gpu_warmup_builds_each_module_in_its_own_folder(monkeypatch):
+    """FlashInfer's build_jit_specs keeps its ninja log above the modules' folders, so plan() rebuilt every
+    module it had built (seen on an H200); step 1 calls each spec's own build, FA3 first, MAX_JOBS split."""
+    import types
+
+    import torch
+
+    log = []
+    gen = types.SimpleNamespace(
+        gen_batch_prefill_module=lambda backend, *a: FakeSpec(log, f"{backend} {a[0]} {a[4]}"),
+        _gen_batch_prefill_primary_module=lambda backend, *a: FakeSpec(log, f"{backend} {a[0]} {a[4]}"),
+        gen_batch_decode_module=lambda *a: (len(a) == 9 or pytest.fail("decode takes 9")) and
+        FakeSpec(log, f"decode {a[0]} {a[4]}"))
+    jit = types.ModuleType("flashinfer.jit.attention")
+    jit.modules = gen
+    for name, module in [("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", types.ModuleType("j")),
+                         ("flashinfer.jit.attention", jit)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("MAX_JOBS", "16")
+    warmup = load_script("gpu_warmup")
+    warmup.prebuild([("bfloat16", 64), ("float16", 128)])
+    assert len(log) == 6 and {entry[1:] for entry in log} == {(True, "4")}
+    assert os.environ["MAX_JOBS"] == "16"  # restored for step 2
+    log.clear()
+    monkeypatch.setattr(warmup, "WORKERS", 1)
+    warmup.prebuild([("bfloat16", 64), ("float16", 128)])
+    assert [name for name, *_ in log] == ["fa3 torch.bfloat16 64", "fa3 torch.float16 128",
+                                          "fa2 torch.bfloat16 64", "decode torch.bfloat16 64",
+                                          "fa2 torch.float16 128", "decode torch.float16 128"]
+    assert {entry[1:] for entry in log} == {(True, "16")}
 
 
 # --- gpu_check.sh's arguments: answered before anything runs ---------------------------------------------------
