@@ -10,7 +10,9 @@ tokens under:
   arrival. Each ranks an entry by what it knows of the latest request that used it (0 first), then LRU;
 * ``group rates (hindsight)``: ``learned``'s rank (``last_access + horizon x ln p``) with p each request's
   feature group's continuation rate over the whole trace (below): the best estimate a learner of those
-  features could reach, given in advance;
+  features could reach, given in advance; ``rich groups`` the same over every feature the trace offers
+  (``rich_features``: also the request's output length and its new prompt tokens), of continuation within
+  60 or 300 s (so many small groups that the rates fit the trace: a bound, not a learner);
 * Belady (knows every future request) and the trace's upper bound (unlimited memory).
 
 It also tabulates how well what an online policy can see predicts that future: for requests grouped by
@@ -59,6 +61,8 @@ ONLINE = ("lru", "arc", "learned")
 GAPS = (60.0, 120.0, 300.0)  # the timed oracles' horizons, seconds
 PREV_GAP_EDGES = (30.0, 60.0, 120.0, 300.0)
 LENGTH_EDGES = (2_000, 5_000, 10_000, 20_000)
+OUTPUT_EDGES = (50, 150, 300, 600)
+NEW_TOKEN_EDGES = (100, 500, 2_000, 8_000)
 
 
 class LatestHint(Priority):
@@ -113,10 +117,10 @@ def with_oracle(requests: Sequence[Request], gaps: np.ndarray, horizon: float) -
             for r, g in zip(requests, gaps, strict=True)]
 
 
-def group_rates(feats: Sequence[tuple], gaps: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each request's feature group's (``features``) continued share over the whole trace, in hindsight: the
-    best estimate any learner of those features could make; and how many groups there are."""
-    cont = np.isfinite(gaps)
+def group_rates(feats: Sequence[tuple], gaps: np.ndarray, within: float = math.inf) -> tuple[np.ndarray, int]:
+    """Each request's feature group's (``features``) share continued (within ``within`` s) over the whole
+    trace, in hindsight: the best estimate any learner of those features could make; and how many groups."""
+    cont = np.isfinite(gaps) & (gaps <= within)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, f in enumerate(feats):
         groups[f].append(i)
@@ -133,7 +137,7 @@ def with_group_rates(requests: Sequence[Request], rates: np.ndarray) -> list[Req
 
 class GroupRate(LatestHint):
     """``learned``'s rank with a rate given in hindsight: ``last_access + horizon x ln p``, p the latest
-    request's hint in thousandths (``with_group_rates``). O(log n) per push and pop."""
+    request's hint in thousandths (``with_group_rates``), horizon in ticks. O(log n) per push and pop."""
 
     name = "group_rate"
 
@@ -148,21 +152,30 @@ class GroupRate(LatestHint):
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One way to evict: an online policy (or Belady) by name, or an oracle's hints and the policy reading
-    them (``hints``: ``"continues"`` with ``horizon`` seconds, or ``"group_rates"``)."""
+    them. ``hints``: ``"continues"`` (continued within ``horizon`` s) or ``"group_rates"`` (the group's share
+    continued within ``horizon`` s, groups of ``features``: ``"base"`` or ``"rich"``, ranked with
+    ``rank_horizon`` ticks: of 300-20,000, the best at 1M and 4M)."""
 
     policy: str
     hints: str | None = None
     horizon: float | None = None
+    features: str = "base"
+    rank_horizon: float = 6000.0
 
 
-ARMS: dict[str, Arm] = {**{p: Arm(p) for p in ONLINE}, "continues": Arm("latest_hint", "continues", math.inf),
-                        **{f"continues <= {g:g} s": Arm("latest_hint", "continues", g) for g in GAPS},
-                        "group rates (hindsight)": Arm("group_rate", "group_rates"), "belady": Arm("belady")}
+ARMS: dict[str, Arm] = {
+    **{p: Arm(p) for p in ONLINE}, "continues": Arm("latest_hint", "continues", math.inf),
+    **{f"continues <= {g:g} s": Arm("latest_hint", "continues", g) for g in GAPS},
+    "group rates (hindsight)": Arm("group_rate", "group_rates", math.inf),
+    "rich groups <= 60 s (hindsight)": Arm("group_rate", "group_rates", 60.0, "rich"),
+    "rich groups <= 300 s (hindsight)": Arm("group_rate", "group_rates", 300.0, "rich", 2000.0),
+    "belady": Arm("belady")}
 
 
-def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: np.ndarray, arm: str, capacity: int,
-            seed: int) -> dict:
-    """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: ``group_rates``')."""
+def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: dict[tuple[str, float], np.ndarray], arm: str,
+            capacity: int, seed: int) -> dict:
+    """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: ``group_rates``' by features
+    and horizon, as ``arm_rates`` builds them)."""
     a = ARMS[arm]
     t0 = time.perf_counter()
     if a.hints is None:
@@ -170,13 +183,25 @@ def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: np.ndarray, ar
                        seed=seed)
     else:
         continues = a.hints == "continues"
-        hinted = with_oracle(requests, gaps, a.horizon) if continues else with_group_rates(requests, rates)
-        cache = make_cache("radix", page_size=512, eviction_policy=LatestHint() if continues else GroupRate())
-        res = simulate(hinted, cache=cache, capacity_tokens=capacity, seed=seed)
+        if continues:
+            hinted, policy = with_oracle(requests, gaps, a.horizon), LatestHint()
+        else:
+            hinted, policy = with_group_rates(requests, rates[a.features, a.horizon]), GroupRate(a.rank_horizon)
+        res = simulate(hinted, cache=make_cache("radix", page_size=512, eviction_policy=policy),
+                       capacity_tokens=capacity, seed=seed)
     s = res.summary()
     return {"arm": arm, "eviction_policy": a.policy, "hints": a.hints, "oracle_horizon_s": a.horizon,
+            "features": a.features if a.hints == "group_rates" else None,
+            "rank_horizon": a.rank_horizon if a.hints == "group_rates" else None,
             "capacity_tokens": capacity, "hit_rate": s["hit_rate"], "evicted_tokens": s["evicted_tokens"],
             "seconds": time.perf_counter() - t0}
+
+
+def arm_rates(arms: Sequence[str], feats: dict[str, list[tuple]], gaps: np.ndarray
+              ) -> dict[tuple[str, float], np.ndarray]:
+    """The hindsight rates the chosen group-rate arms read, by (features, horizon), each computed once."""
+    keys = {(ARMS[a].features, ARMS[a].horizon) for a in arms if ARMS[a].hints == "group_rates"}
+    return {(f, h): group_rates(feats[f], gaps, h)[0] for f, h in keys}
 
 
 # ------------------------------------------------------------------------------------ what is predictable
@@ -191,6 +216,16 @@ def features(requests: Sequence[Request], parents: Sequence[int]) -> list[tuple[
         prev = "none" if p < 0 else _bucket(r.arrival - requests[p].arrival, PREV_GAP_EDGES, " s")
         out.append((str(min(turn[i], 4)) + ("+" if turn[i] >= 4 else ""), prev,
                     _bucket(len(r.prompt), LENGTH_EDGES, "")))
+    return out
+
+
+def rich_features(requests: Sequence[Request], parents: Sequence[int], feats: Sequence[tuple]) -> list[tuple]:
+    """``features`` and what else the trace tells of a request: its output length (known once it finishes)
+    and its new prompt tokens (beyond its parent's prompt and output; all of it on turn 1), bucketed."""
+    out = []
+    for r, p, f in zip(requests, parents, feats, strict=True):
+        new = len(r.prompt) - (len(requests[p].prompt) + requests[p].output_len if p >= 0 else 0)
+        out.append((*f, _bucket(r.output_len, OUTPUT_EDGES, " out"), _bucket(new, NEW_TOKEN_EDGES, " new")))
     return out
 
 
@@ -216,9 +251,11 @@ def weighted_auc(score: np.ndarray, label: np.ndarray, weight: np.ndarray) -> fl
     return float((p * (below + n / 2)).sum() / (pos.sum() * neg.sum()))
 
 
-def predictability(requests: Sequence[Request], feats: Sequence[tuple], gaps: np.ndarray) -> dict:
+def predictability(requests: Sequence[Request], feats: Sequence[tuple], gaps: np.ndarray,
+                   rich: Sequence[tuple] | None = None) -> dict:
     """Per feature value: requests, share of prompt tokens, share continued (and within 60 s), median gap to
-    the next turn; and the token-weighted AUC of the in-hindsight rate of each request's feature group."""
+    the next turn; and the token-weighted AUC of the in-hindsight rate of each request's feature group (and
+    of its ``rich_features`` group, given ``rich``)."""
     tokens = np.array([len(r.prompt) for r in requests], dtype=float)
     cont = np.isfinite(gaps).astype(float)
     rows = []
@@ -233,9 +270,13 @@ def predictability(requests: Sequence[Request], feats: Sequence[tuple], gaps: np
                          "continued_60s": float(np.mean(g <= 60.0)),
                          "median_next_gap_s": float(np.median(g[np.isfinite(g)])) if np.isfinite(g).any() else None})
     hindsight, cells = group_rates(feats, gaps)
-    return {"groups": rows, "cells": cells, "auc_tokens": weighted_auc(hindsight, cont, tokens),
-            "auc_turn_tokens": weighted_auc(np.array([int(f[0].rstrip("+")) for f in feats], dtype=float), cont,
-                                            tokens)}
+    out = {"groups": rows, "cells": cells, "auc_tokens": weighted_auc(hindsight, cont, tokens),
+           "auc_turn_tokens": weighted_auc(np.array([int(f[0].rstrip("+")) for f in feats], dtype=float), cont,
+                                           tokens)}
+    if rich is not None:
+        rates, out["rich_cells"] = group_rates(rich, gaps)
+        out["auc_rich_tokens"] = weighted_auc(rates, cont, tokens)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -261,6 +302,9 @@ def markdown(runs: list[dict], pred: dict, bound: float) -> str:
     lines += ["", f"Token-weighted AUC of each request's group rate in hindsight ({pred['cells']} groups of turn x "
               f"previous gap x prompt tokens): {pred['auc_tokens']:.3f}; of the turn alone: "
               f"{pred['auc_turn_tokens']:.3f} (0.5: no better than chance)."]
+    if "auc_rich_tokens" in pred:
+        lines[-1] += (f" With output length and new prompt tokens too ({pred['rich_cells']} groups, fitted to the "
+                      f"trace): {pred['auc_rich_tokens']:.3f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -297,7 +341,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     requests, bound = trace_requests(records), trace_upper_bound(records)["hit_rate"]
     parents = conversation_links(requests, args.min_shared_blocks)
     gaps, feats = next_turn_gaps(requests, parents), features(requests, parents)
-    rates = group_rates(feats, gaps)[0]
+    rich = rich_features(requests, parents, feats)
+    rates = arm_rates(chosen, {"base": feats, "rich": rich}, gaps)
     config = {"trace": args.trace, "limit": args.limit, "cache": "radix", "page_size": 512,
               "min_shared_blocks": args.min_shared_blocks, "seed": args.seed, "simulate": "defaults (CostModel())",
               "upper_bound": bound, "env": environment(), "args": vars(args)}
@@ -306,7 +351,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for arm in chosen:
             runs.append({**run_arm(requests, gaps, rates, arm, cap, args.seed), **config})
             print(f"{cap:>10,} {arm:<22} {runs[-1]['hit_rate']:.4f} ({runs[-1]['seconds']:.1f} s)", flush=True)
-    pred = predictability(requests, feats, gaps)
+    pred = predictability(requests, feats, gaps, rich)
     rows = runs + [{"kind": "predictability", **pred, **config}]
     print(table(runs, ["capacity_tokens", "arm", "hit_rate", "seconds"], {"hit_rate": ".4f", "seconds": ".1f"}))
     text = markdown(runs, pred, bound)

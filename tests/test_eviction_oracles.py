@@ -45,6 +45,16 @@ def test_features_see_only_the_past():
     assert feats[3][2] == "0-2,000" and feats[4][2] == "2,000-5,000"
 
 
+def test_rich_features_add_output_length_and_new_prompt_tokens():
+    requests = trace_requests(_records())
+    parents = eo.conversation_links(requests)
+    rich = eo.rich_features(requests, parents, eo.features(requests, parents))
+    assert [f[3] for f in rich] == ["0-50 out"] * 5
+    # turn 2: 2,500 prompt tokens after a 1,500-token prompt and 8 output tokens; turn 1: all of it
+    assert [f[4] for f in rich] == ["500-2,000 new", "500-2,000 new", "500-2,000 new", "500-2,000 new", "100-500 new"]
+    assert rich[2][:3] == ("2", "0-30 s", "2,000-5,000")
+
+
 def test_latest_hint_ranks_by_the_latest_requests_hint_then_lru():
     cache = make_cache("radix", page_size=1, eviction_policy=eo.LatestHint())
     keep, drop = CacheHints(priority=1), CacheHints(priority=0)
@@ -84,6 +94,12 @@ def test_the_command_writes_runs_predictability_and_tables(tmp_path):
     text = (tmp_path / "o.md").read_text()
     assert "| continues |" in text and "Token-weighted AUC" in text
     assert (tmp_path / "o.png").exists()
+    arms = ["group rates (hindsight)", "rich groups <= 60 s (hindsight)", "rich groups <= 300 s (hindsight)"]
+    hindsight = eo.main(["--trace", str(trace), "--capacities", "2048", "--out", str(out), "--arms", ",".join(arms)])
+    assert [(r["features"], r["oracle_horizon_s"], r["rank_horizon"]) for r in hindsight[:3]] == [
+        ("base", math.inf, 6000.0), ("rich", 60.0, 6000.0), ("rich", 300.0, 2000.0)]
+    assert hindsight[-1]["rich_cells"] == 3  # requests 0, 1 and 3 share one group
+    assert "With output length and new prompt tokens" in (tmp_path / "o.md").read_text()
     with pytest.raises(ValueError, match="--arms"):
         eo.main(["--trace", str(trace), "--arms", "nope", "--out", str(out)])
     with pytest.raises(ValueError, match="--capacities"):
@@ -96,6 +112,8 @@ def test_group_rates_are_each_feature_groups_continued_share():
     rates, groups = eo.group_rates(eo.features(requests, parents), eo.next_turn_gaps(requests, parents))
     assert groups == 3
     assert [r.priority for r in eo.with_group_rates(requests, rates)] == [333, 333, 1000, 333, 0]
+    within, _ = eo.group_rates(eo.features(requests, parents), eo.next_turn_gaps(requests, parents), 60.0)
+    assert [round(1000 * x) for x in within] == [333, 333, 0, 333, 0]  # turn 2's continuation came 90 s later
     policy = eo.GroupRate(horizon=10.0)
     cache = make_cache("radix", page_size=1, eviction_policy=policy)
     cache.insert([1, 2], np.array([0, 1]), hints=CacheHints(priority=1000))
