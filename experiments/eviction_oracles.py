@@ -12,7 +12,8 @@ tokens under:
   feature group's continuation rate over the whole trace (below): the best estimate a learner of those
   features could reach, given in advance; ``rich groups`` the same over every feature the trace offers
   (``rich_features``: also the request's output length and its new prompt tokens), of continuation within
-  60 or 300 s (so many small groups that the rates fit the trace: a bound, not a learner);
+  60 or 300 s (so many small groups that the rates fit the trace: a bound, not a learner), and the same
+  ``cross-fitted`` (each half of the trace rated from the other: what a learner could carry over);
 * Belady (knows every future request) and the trace's upper bound (unlimited memory).
 
 It also tabulates how well what an online policy can see predicts that future: for requests grouped by
@@ -130,6 +131,26 @@ def group_rates(feats: Sequence[tuple], gaps: np.ndarray, within: float = math.i
     return rate, len(groups)
 
 
+def cross_fitted_rates(feats: Sequence[tuple], gaps: np.ndarray, within: float, prior: float = 20.0) -> np.ndarray:
+    """``group_rates`` out of sample: each half of the trace (by arrival) gets its groups' rates from the
+    other half, shrunk toward that half's pooled rate with ``prior`` pseudo-requests (``learned``'s rule), so
+    a rate never counts the request it is given to, as an online learner's never does."""
+    cont = (np.isfinite(gaps) & (gaps <= within)).astype(float)
+    first = np.arange(len(feats)) < len(feats) // 2
+    rate = np.zeros(len(feats))
+    for fold in (first, ~first):
+        fit = np.flatnonzero(~fold)
+        pooled = cont[fit].mean() if len(fit) else 0.0
+        hits: dict[tuple, float] = defaultdict(float)
+        seen: dict[tuple, int] = defaultdict(int)
+        for i in fit:
+            hits[feats[i]] += cont[i]
+            seen[feats[i]] += 1
+        for i in np.flatnonzero(fold):
+            rate[i] = (hits[feats[i]] + prior * pooled) / (seen[feats[i]] + prior) if seen[feats[i]] + prior else 0
+    return rate
+
+
 def with_group_rates(requests: Sequence[Request], rates: np.ndarray) -> list[Request]:
     """The requests, each with priority = its ``group_rates`` rate in thousandths."""
     return [dataclasses.replace(r, priority=round(1000 * x)) for r, x in zip(requests, rates, strict=True)]
@@ -153,14 +174,16 @@ class GroupRate(LatestHint):
 class Arm:
     """One way to evict: an online policy (or Belady) by name, or an oracle's hints and the policy reading
     them. ``hints``: ``"continues"`` (continued within ``horizon`` s) or ``"group_rates"`` (the group's share
-    continued within ``horizon`` s, groups of ``features``: ``"base"`` or ``"rich"``, ranked with
-    ``rank_horizon`` ticks: of 300-20,000, the best at 1M and 4M)."""
+    continued within ``horizon`` s, groups of ``features``: ``"base"`` or ``"rich"``, rates ``fit`` to the
+    whole trace (``"hindsight"``) or ``"cross"``-fitted, ranked with ``rank_horizon`` ticks: of 300-20,000,
+    the best at 1M and 4M in hindsight)."""
 
     policy: str
     hints: str | None = None
     horizon: float | None = None
     features: str = "base"
     rank_horizon: float = 6000.0
+    fit: str = "hindsight"
 
 
 ARMS: dict[str, Arm] = {
@@ -169,11 +192,13 @@ ARMS: dict[str, Arm] = {
     "group rates (hindsight)": Arm("group_rate", "group_rates", math.inf),
     "rich groups <= 60 s (hindsight)": Arm("group_rate", "group_rates", 60.0, "rich"),
     "rich groups <= 300 s (hindsight)": Arm("group_rate", "group_rates", 300.0, "rich", 2000.0),
+    "rich groups <= 60 s (cross-fitted)": Arm("group_rate", "group_rates", 60.0, "rich", fit="cross"),
+    "rich groups <= 300 s (cross-fitted)": Arm("group_rate", "group_rates", 300.0, "rich", 2000.0, "cross"),
     "belady": Arm("belady")}
 
 
-def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: dict[tuple[str, float], np.ndarray], arm: str,
-            capacity: int, seed: int) -> dict:
+def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: dict[tuple, np.ndarray], arm: str, capacity: int,
+            seed: int) -> dict:
     """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: ``group_rates``' by features
     and horizon, as ``arm_rates`` builds them)."""
     a = ARMS[arm]
@@ -186,22 +211,23 @@ def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: dict[tuple[str
         if continues:
             hinted, policy = with_oracle(requests, gaps, a.horizon), LatestHint()
         else:
-            hinted, policy = with_group_rates(requests, rates[a.features, a.horizon]), GroupRate(a.rank_horizon)
+            hinted, policy = with_group_rates(requests, rates[a.features, a.horizon, a.fit]), GroupRate(a.rank_horizon)
         res = simulate(hinted, cache=make_cache("radix", page_size=512, eviction_policy=policy),
                        capacity_tokens=capacity, seed=seed)
     s = res.summary()
     return {"arm": arm, "eviction_policy": a.policy, "hints": a.hints, "oracle_horizon_s": a.horizon,
             "features": a.features if a.hints == "group_rates" else None,
             "rank_horizon": a.rank_horizon if a.hints == "group_rates" else None,
+            "fit": a.fit if a.hints == "group_rates" else None,
             "capacity_tokens": capacity, "hit_rate": s["hit_rate"], "evicted_tokens": s["evicted_tokens"],
             "seconds": time.perf_counter() - t0}
 
 
-def arm_rates(arms: Sequence[str], feats: dict[str, list[tuple]], gaps: np.ndarray
-              ) -> dict[tuple[str, float], np.ndarray]:
-    """The hindsight rates the chosen group-rate arms read, by (features, horizon), each computed once."""
-    keys = {(ARMS[a].features, ARMS[a].horizon) for a in arms if ARMS[a].hints == "group_rates"}
-    return {(f, h): group_rates(feats[f], gaps, h)[0] for f, h in keys}
+def arm_rates(arms: Sequence[str], feats: dict[str, list[tuple]], gaps: np.ndarray) -> dict[tuple, np.ndarray]:
+    """The rates the chosen group-rate arms read, by (features, horizon, fit), each computed once."""
+    keys = {(ARMS[a].features, ARMS[a].horizon, ARMS[a].fit) for a in arms if ARMS[a].hints == "group_rates"}
+    return {(f, h, fit): group_rates(feats[f], gaps, h)[0] if fit == "hindsight" else
+            cross_fitted_rates(feats[f], gaps, h) for f, h, fit in keys}
 
 
 # ------------------------------------------------------------------------------------ what is predictable

@@ -45,6 +45,14 @@ def test_features_see_only_the_past():
     assert feats[3][2] == "0-2,000" and feats[4][2] == "2,000-5,000"
 
 
+def test_cross_fitted_rates_come_from_the_other_half_of_the_trace():
+    feats, gaps = [("a",), ("a",), ("a",), ("b",)], np.array([10.0, np.inf, 10.0, np.inf])
+    assert eo.cross_fitted_rates(feats, gaps, 60.0, prior=0).tolist() == [1.0, 1.0, 0.5, 0.0]
+    # a group the other half never saw gets that half's pooled rate (0.5), others shrink toward it
+    assert eo.cross_fitted_rates(feats, gaps, 60.0, prior=2).tolist() == [2 / 3, 2 / 3, 0.5, 0.5]
+    assert eo.cross_fitted_rates(feats, gaps, 5.0, prior=0).tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_rich_features_add_output_length_and_new_prompt_tokens():
     requests = trace_requests(_records())
     parents = eo.conversation_links(requests)
@@ -94,10 +102,10 @@ def test_the_command_writes_runs_predictability_and_tables(tmp_path):
     text = (tmp_path / "o.md").read_text()
     assert "| continues |" in text and "Token-weighted AUC" in text
     assert (tmp_path / "o.png").exists()
-    arms = ["group rates (hindsight)", "rich groups <= 60 s (hindsight)", "rich groups <= 300 s (hindsight)"]
+    arms = ["group rates (hindsight)", "rich groups <= 60 s (hindsight)", "rich groups <= 300 s (cross-fitted)"]
     hindsight = eo.main(["--trace", str(trace), "--capacities", "2048", "--out", str(out), "--arms", ",".join(arms)])
-    assert [(r["features"], r["oracle_horizon_s"], r["rank_horizon"]) for r in hindsight[:3]] == [
-        ("base", math.inf, 6000.0), ("rich", 60.0, 6000.0), ("rich", 300.0, 2000.0)]
+    assert [(r["features"], r["oracle_horizon_s"], r["rank_horizon"], r["fit"]) for r in hindsight[:3]] == [
+        ("base", math.inf, 6000.0, "hindsight"), ("rich", 60.0, 6000.0, "hindsight"), ("rich", 300.0, 2000.0, "cross")]
     assert hindsight[-1]["rich_cells"] == 3  # requests 0, 1 and 3 share one group
     assert "With output length and new prompt tokens" in (tmp_path / "o.md").read_text()
     with pytest.raises(ValueError, match="--arms"):
