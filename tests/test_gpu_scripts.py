@@ -298,9 +298,10 @@ def test_prepared_folder_fits_and_its_flashinfer_imports(tmp_path):
     tvm = pip_download(extra, f"apache-tvm-ffi=={got['apache_tvm_ffi']}", timeout=300)
     assert tvm.returncode == 0, tvm.stderr
     (nvml,) = folder.glob("nvidia_ml_py-*.whl")
+    (ninja,) = folder.glob("ninja-*.whl")
     target = tmp_path / "target"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--disable-pip-version-check", "--target", str(target), str(flashinfer), str(nvml),
+                    "--disable-pip-version-check", "--target", str(target), str(flashinfer), str(nvml), str(ninja),
                     *map(str, extra.glob("*.whl"))], check=True, timeout=300)
     code = ("import flashinfer; print(flashinfer.__file__, flashinfer.BatchPrefillWithPagedKVCacheWrapper.__name__, "
             "flashinfer.BatchDecodeWithPagedKVCacheWrapper.__name__)")
@@ -309,3 +310,53 @@ def test_prepared_folder_fits_and_its_flashinfer_imports(tmp_path):
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert imported.stdout.split()[:3] == [str(target / "flashinfer" / "__init__.py"),
                                            "BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper"]
+    assert warmup_then_plan_builds(target, tmp_path) == "step 1 compiled 26, plan() then 0"
+
+
+FAKE_COMPILER = """#!/usr/bin/env bash
+# nvcc and c++ stood in: writes -o's file and -MF's depfile, and logs the output's name
+if [[ "$*" == *--version* ]]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
+out="" dep="" in=""
+while (($#)); do case "$1" in -o) out=$2; shift 2;; -MF) dep=$2; shift 2;; -c) in=$2; shift 2;; *) shift;; esac; done
+echo fake >"$out"
+[[ -z "$dep" ]] || echo "$out: $in" >"$dep"
+echo "$out" >>"$FAKE_LOG"
+"""
+
+WARMUP_THEN_PLAN = """
+import os, sys
+from pathlib import Path
+import torch
+from flashinfer.jit.attention import modules as gen
+sys.dont_write_bytecode = True
+sys.path.insert(0, sys.argv[1])
+import gpu_warmup
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+gpu_warmup.prebuild([("bfloat16", 64)])
+log = Path(os.environ["FAKE_LOG"])
+first = len(log.read_text().split())
+dt = torch.bfloat16
+args = (dt, dt, dt, torch.int32, 64, 64, 0, False, False, False, False)
+for spec in (gen.gen_batch_prefill_module("fa3", *args), gen._gen_batch_prefill_primary_module("fa2", *args),
+             gen.gen_batch_decode_module(*args[:9])):
+    spec.build()  # what plan() runs before loading a module: its own ninja in its own folder
+print(f"step 1 compiled {first}, plan() then {len(log.read_text().split()) - first}")
+"""
+
+
+def warmup_then_plan_builds(target: Path, tmp_path: Path) -> str:
+    """gpu_warmup's step 1 with this FlashInfer and a stand-in compiler, then the builds plan() would run: how
+    many files each compiled. FlashInfer's build_jit_specs, which step 1 used before, left plan() all 26 to
+    compile again (its ninja log sat in the folder above the modules'), as seen on an H200."""
+    cuda = tmp_path / "cuda" / "bin"
+    cuda.mkdir(parents=True)
+    for name in ("nvcc", "c++"):
+        (cuda / name).write_text(FAKE_COMPILER)
+        (cuda / name).chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(target), "PATH": f"{target / 'bin'}:{os.environ['PATH']}",
+           "CUDA_HOME": str(cuda.parent), "CXX": str(cuda / "c++"), "FLASHINFER_CUDA_ARCH_LIST": "9.0a",
+           "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "jit"), "MAX_JOBS": "2", "FAKE_LOG": str(tmp_path / "log")}
+    run = subprocess.run([sys.executable, "-c", WARMUP_THEN_PLAN, str(SCRIPTS)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
