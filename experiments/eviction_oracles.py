@@ -199,8 +199,8 @@ ARMS: dict[str, Arm] = {
 
 def run_arm(requests: Sequence[Request], gaps: np.ndarray, rates: dict[tuple, np.ndarray], arm: str, capacity: int,
             seed: int) -> dict:
-    """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: ``group_rates``' by features
-    and horizon, as ``arm_rates`` builds them)."""
+    """One replay: the arm's hit rate, evicted tokens and wall seconds (``rates``: by features, horizon and
+    fit, as ``arm_rates`` builds them)."""
     a = ARMS[arm]
     t0 = time.perf_counter()
     if a.hints is None:
