@@ -37,39 +37,47 @@ WORKERS = 4  # modules compiled at once in step 1
 STEPS = (("prefill of 100 tokens", 100, 0), ("prefill of 16 tokens", 16, 0), ("decode", 1, 37))
 
 
+def module_specs(configs: list[tuple[str, int]], fa3: bool) -> list:
+    """The JIT specs the wrappers' ``plan`` asks for, per dtype and head dim: FA3 prefill (``fa3``: on Hopper),
+    FA2 batch prefill and batch decode; the FA3 ones first (the longest builds). FlashInfer's internal
+    generators: another FlashInfer may lack them (ImportError, AttributeError, TypeError)."""
+    import torch
+    from flashinfer.jit.attention import modules as gen
+
+    first, rest = [], []
+    for dtype_name, head_dim in configs:
+        dt = getattr(torch, dtype_name)
+        # the arguments plan() passes: q/kv/out dtype, int32 page indptr, head dims, no RoPE,
+        # no sliding window, no soft cap, no fp16 QK reduction, no per-token scales
+        args = (dt, dt, dt, torch.int32, head_dim, head_dim, 0, False, False, False, False)
+        if fa3:
+            first.append(gen.gen_batch_prefill_module("fa3", *args))
+        rest.append(gen._gen_batch_prefill_primary_module("fa2", *args))
+        rest.append(gen.gen_batch_decode_module(*args[:9]))
+    return first + rest
+
+
 def prebuild(configs: list[tuple[str, int]]) -> None:
     """Step 1: build every module the steps use, each in its own folder, WORKERS at a time."""
     import torch
 
     try:
-        from flashinfer.jit.attention import modules as gen
-
-        fa3 = torch.cuda.get_device_capability() == (9, 0)  # FlashInfer's FA3 kernels are sm90 only
-        first, rest = [], []
-        for dtype_name, head_dim in configs:
-            dt = getattr(torch, dtype_name)
-            # the arguments plan() passes: q/kv/out dtype, int32 page indptr, head dims, no RoPE,
-            # no sliding window, no soft cap, no fp16 QK reduction, no per-token scales
-            args = (dt, dt, dt, torch.int32, head_dim, head_dim, 0, False, False, False, False)
-            if fa3:
-                first.append(gen.gen_batch_prefill_module("fa3", *args))
-            rest.append(gen._gen_batch_prefill_primary_module("fa2", *args))
-            rest.append(gen.gen_batch_decode_module(*args[:9]))
-        specs = first + rest
+        specs = module_specs(configs, fa3=torch.cuda.get_device_capability() == (9, 0))  # FA3 is sm90 only
         build = [spec.build for spec in specs]  # JitSpec.build: write build.ninja, run ninja in build_dir
     except (ImportError, AttributeError, TypeError) as e:  # another FlashInfer's internals
         print(f"step 1 skipped, this FlashInfer's JIT internals differ ({type(e).__name__}: {e})", flush=True)
         return
     total_jobs = int(os.environ["MAX_JOBS"])
     workers = max(1, min(WORKERS, total_jobs, len(specs)))
-    os.environ["MAX_JOBS"] = str(max(1, total_jobs // workers))  # run_ninja reads it: -j per module
+    jobs = max(1, total_jobs // workers)
+    os.environ["MAX_JOBS"] = str(jobs)  # run_ninja reads it: -j per module
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own ninja process
             list(pool.map(lambda b: b(need_lock=True), build))
     finally:
         os.environ["MAX_JOBS"] = str(total_jobs)
-    print(f"step 1: {len(specs)} modules built, {workers} at a time with {total_jobs // workers} jobs each, in "
+    print(f"step 1: {len(specs)} modules built, {workers} at a time with {jobs} jobs each, in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 

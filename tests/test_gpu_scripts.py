@@ -327,7 +327,6 @@ WARMUP_THEN_PLAN = """
 import os, sys
 from pathlib import Path
 import torch
-from flashinfer.jit.attention import modules as gen
 sys.dont_write_bytecode = True
 sys.path.insert(0, sys.argv[1])
 import gpu_warmup
@@ -335,10 +334,7 @@ torch.cuda.get_device_capability = lambda *a: (9, 0)
 gpu_warmup.prebuild([("bfloat16", 64)])
 log = Path(os.environ["FAKE_LOG"])
 first = len(log.read_text().split())
-dt = torch.bfloat16
-args = (dt, dt, dt, torch.int32, 64, 64, 0, False, False, False, False)
-for spec in (gen.gen_batch_prefill_module("fa3", *args), gen._gen_batch_prefill_primary_module("fa2", *args),
-             gen.gen_batch_decode_module(*args[:9])):
+for spec in gpu_warmup.module_specs([("bfloat16", 64)], fa3=True):
     spec.build()  # what plan() runs before loading a module: its own ninja in its own folder
 print(f"step 1 compiled {first}, plan() then {len(log.read_text().split()) - first}")
 """
