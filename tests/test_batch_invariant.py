@@ -12,6 +12,7 @@ from torch import nn
 from radixkv import LLM, SamplingParams
 from radixkv.attention import AttentionBatch
 from radixkv.config import EngineConfig
+from radixkv.cpu.flash_prefill import FlashPrefill
 
 
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 40), (64, 36)])  # (64, 36): no tiles
@@ -39,6 +40,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def test_greedy_outputs_alone_equal_batched(avx2_kernels):
     llm = LLM("tiny-random", dtype="bfloat16", batch_invariant=True, kv_cache_tokens=4096)
+    assert not isinstance(llm.backend.prefill, FlashPrefill)  # AMX's cascade prefill depends on the chunk
     prompts, params = _prompts(6, 1), SamplingParams(max_new_tokens=12, ignore_eos=True)
     together = [o.token_ids for o in llm.generate(prompts, params)]
     llm.flush_cache()  # each alone computes its whole prompt too
@@ -89,15 +91,17 @@ def test_one_token_prefill_chunk_is_not_a_decode():
 
 
 def test_resumed_prompt_recomputes_its_last_token_with_the_prefill_kernel(avx2_kernels):
-    """The cpu backend's last row of a prompt: the same output computed in its prompt's chunk or alone."""
-    from radixkv.attention import make_backend
+    """The batch-invariant cpu backend's last row of a prompt: the same output computed in its prompt's chunk or
+    alone (on an AMX CPU too, where the default prefill is a cascade split where the cached prefix ends)."""
+    from radixkv.cpu import CpuPagedBackend
     from radixkv.kv_pool import KVPool
 
     torch.manual_seed(0)
     pool = KVPool(1, 2, 64, num_slots=512, dtype=torch.bfloat16)
     pool.k[0].copy_(torch.randn_like(pool.k[0]))
     pool.v[0].copy_(torch.randn_like(pool.v[0]))
-    backend = make_backend("cpu", pool, 6)
+    backend = CpuPagedBackend(pool, 6, batch_invariant=True)
+    assert not isinstance(backend.prefill, FlashPrefill)
     q = torch.randn(40, 6, 64).bfloat16()
     backend.plan(AttentionBatch([100], [40], [np.arange(140)], prefilling=[True]))
     whole = backend.run(q, 0)

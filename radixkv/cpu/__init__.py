@@ -48,13 +48,16 @@ def accelerate(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "
     ``batch_invariant``: each token's logits do not depend on which other
     requests share its step (``PackedLinear``'s batch-invariant layers; no
     ``DecodeStack``, whose tiles take the row count's kernels; the attention
-    kernels already work request by request, splitting a decode's context by
-    its length alone); ``ValueError`` where the linear kernels cannot serve it.
+    kernels work request by request, splitting a decode's context by its
+    length alone, and prefill chunks take ``paged_prefill``, not the AMX
+    cascade); ``ValueError`` where the linear kernels cannot serve it.
     Call it before serving: views of the pool taken earlier go stale.
     """
     pack_linears(model, batch_invariant=batch_invariant)
     pool.reallocate(hugepages.zeros)
     backend = make_backend(attention_backend, pool, model.config.num_heads)
+    if batch_invariant and isinstance(backend, CpuPagedBackend):  # its prefill by rows, not AMX's cascade
+        backend = CpuPagedBackend(pool, model.config.num_heads, batch_invariant=True)
     return fused_forward(model, backend, use_stack=not batch_invariant), backend
 
 

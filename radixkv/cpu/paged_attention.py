@@ -98,17 +98,22 @@ class CpuPagedBackend(SplitBackend):
     (``amx_prefill``), else ``PagedPrefill`` where the kernels have a path for the pool's dtype and head_dim
     (``prefill_supported``), else ``ReferencePrefill``.
 
+    ``batch_invariant``: never ``FlashPrefill``, whose cascade splits a row's keys where its chunk's cached
+    prefix ends, so a prompt's last row computed alone (a resumed prompt) would not be the bits its chunk
+    gave; ``paged_prefill`` reduces each row's keys in one order whatever the chunk.
+
     ``run`` is then at most two kernel calls per layer. Construction builds
     the kernels if needed and raises ``RuntimeError`` when they cannot be
     built, ``ValueError`` for a pool off the CPU.
     """
 
-    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None):
+    def __init__(self, pool: KVPool, num_qo_heads: int, scale: float | None = None, batch_invariant: bool = False):
         if pool.device.type != "cpu":
             raise ValueError(f"the cpu backend needs a CPU pool, not {pool.device}")
         self.kernels = load_cpu_kernels()
         self.prefill_kernel = self.kernels.prefill_supported(str(pool.dtype).removeprefix("torch."), pool.head_dim)
-        prefill: StepPart = (FlashPrefill(pool, num_qo_heads, scale) if amx_prefill(pool.dtype)
+        flash = amx_prefill(pool.dtype) and not batch_invariant
+        prefill: StepPart = (FlashPrefill(pool, num_qo_heads, scale) if flash
                              else PagedPrefill(pool, self.kernels, scale) if self.prefill_kernel
                              else ReferencePrefill(pool, num_qo_heads, scale))
         self.paged_decode = PagedDecode(pool, self.kernels, scale)
