@@ -322,14 +322,19 @@ class LLM:
         return s
 
     def flush_cache(self) -> int:
-        """Evict every cached token no running request holds (SGLang's ``/flush_cache``): how many slots were
-        freed. Safe between steps."""
-        with deferred_interrupts():
-            slots = self.cache.evict(self.cache.evictable_size)
-            self.allocator.free(slots)
-            for tier in getattr(self.cache, "tiers", ()):  # the host tier's copies go too
-                tier.allocator.free(tier.cache.evict(tier.cache.evictable_size))
-        return len(slots)
+        """Evict every cached token no running request holds, the host tier's copies too, writing nothing down
+        (SGLang's ``/flush_cache``): how many device slots were freed. Safe between steps.
+
+        All or nothing for the books, as ``step()``: a fault part way (a KV-event listener raising, say) is
+        recovered as a failed step's (``Scheduler.recover``: every slot the caches do not hold is free again,
+        running requests are queued again to be recomputed, outputs stay exact) and propagates.
+        """
+        with deferred_interrupts():  # a Ctrl-C here is raised after the books are whole again
+            try:
+                return self.scheduler.flush()
+            except BaseException:
+                self.scheduler.recover()
+                raise
 
     def cache_state(self) -> dict:
         """The prefix cache as the server's ``/v1/cache`` shows it: its stats, sizes, the allocator's free and

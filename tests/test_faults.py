@@ -13,6 +13,7 @@ import pytest
 import radixkv.engine as eng
 from radixkv import LLM, SamplingParams
 from radixkv.cache import lifecycle
+from radixkv.cache.tiered import Tier, TieredCache
 from radixkv.scheduling import core
 
 SHARED = list(range(3, 40))
@@ -26,12 +27,22 @@ CONFIGS = {  # name -> engine settings: chunked prefill everywhere; the small po
     "hash-v0-b4": dict(prefix_cache="hash-v0", block_size=4, kv_cache_tokens=200, chunked_prefill_size=16),
     "none-p1": dict(prefix_cache="none", page_size=1, kv_cache_tokens=200, chunked_prefill_size=16),
     "none-p16": dict(prefix_cache="none", page_size=16, kv_cache_tokens=320, chunked_prefill_size=16),
-    # a host tier (its copies are a fault point of their own): write-through on the tree, write-back on blocks
+    # a host tier (its copies, loads and demotions are fault points of their own) under every write policy,
+    # on the tree and on blocks
     "radix-p1-host": dict(prefix_cache="radix", page_size=1, kv_cache_tokens=200, chunked_prefill_size=16,
                           host_kv_cache_tokens=400),
+    "radix-p16-host-sel": dict(prefix_cache="radix", page_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
+                               host_kv_cache_tokens=640, write_policy="write_through_selective"),
+    "radix-p16-host-wb": dict(prefix_cache="radix", page_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
+                              host_kv_cache_tokens=640, write_policy="write_back"),
+    "hash-b16-host-wt": dict(prefix_cache="hash", block_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
+                             host_kv_cache_tokens=640, write_policy="write_through"),
+    "hash-b16-host-sel": dict(prefix_cache="hash", block_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
+                              host_kv_cache_tokens=640, write_policy="write_through_selective"),
     "hash-b16-host-wb": dict(prefix_cache="hash", block_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
                              host_kv_cache_tokens=640, write_policy="write_back"),
 }
+TIERED = [c for c in CONFIGS if "host" in c]
 _EXPECTED: dict[str, list[list[int]]] = {}
 
 
@@ -50,25 +61,42 @@ def expected(config: str) -> list[list[int]]:
     return _EXPECTED[config]
 
 
-def serve(llm: LLM, prompts=PROMPTS, abort: set[int] = frozenset()) -> tuple[dict, int]:
+def serve(llm: LLM, prompts=PROMPTS, abort: set[int] = frozenset(), flush=None, abort_step: int = 3
+          ) -> tuple[dict, int]:
     """Drive ``add_request``/``step`` to the end, stepping on after every fault; the outputs by request
-    index and the number of faults that came out of ``step()``."""
+    index and the number of faults that came out of ``step()``, ``flush_cache()`` and ``abort()``. The
+    requests ``abort`` names are aborted after step ``abort_step``; ``flush(llm, step)``, when given, says
+    after each step whether to flush the cache there."""
     rids = [llm.add_request(p, GREEDY) for p in prompts]
     outs, faults, steps = {}, 0, 0
     while llm.has_unfinished():
         steps += 1
         assert steps < 1000, "no progress"
-        try:
-            for o in llm.step():
-                assert o.request_id not in outs, f"request {o.request_id} came back twice"
-                outs[o.request_id] = o
-        except (Injected, KeyboardInterrupt):
-            faults += 1
-            llm.cache.check_invariants()
-            llm.allocator.check_invariants()
-        if steps == 3 and abort:
-            llm.abort([rids[i] for i in abort])
+        faults += not guarded(llm, lambda: outs.update(_claim(outs, llm.step())))
+        if steps == abort_step and abort:
+            faults += not guarded(llm, lambda: llm.abort([rids[i] for i in abort]))
+        if flush is not None and flush(llm, steps):
+            faults += not guarded(llm, llm.flush_cache)
     return {i: outs[r] for i, r in enumerate(rids)}, faults
+
+
+def _claim(outs: dict, finished: list) -> dict:
+    for o in finished:
+        assert o.request_id not in outs, f"request {o.request_id} came back twice"
+    return {o.request_id: o for o in finished}
+
+
+def guarded(llm: LLM, call) -> bool:
+    """Run one entry point; on an injected fault check that the books are whole at once. Whether it ran clean."""
+    try:
+        call()
+        return True
+    except (Injected, KeyboardInterrupt):
+        llm.cache.check_invariants()
+        llm.allocator.check_invariants()
+        for tier in getattr(llm.cache, "tiers", ()):
+            tier.check_invariants()
+        return False
 
 
 def check(llm: LLM, config: str, outs: dict, aborted: set[int] = frozenset()) -> None:
@@ -99,6 +127,27 @@ class FailOnce:
         return out
 
 
+def _ignore(event) -> None:
+    """A KV-event listener that does nothing (the fault suite wraps it)."""
+
+
+def listening(llm: LLM):
+    """The engine's cache, given a listener (every tier's events reach it)."""
+    llm.cache.listener = _ignore
+    return llm.cache
+
+
+def device(llm: LLM):
+    """The device tier's own cache (the cache itself without tiers)."""
+    return getattr(llm.cache, "device", llm.cache)
+
+
+def host(llm: LLM, part: str):
+    """The host tier's ``cache`` or ``allocator``; None without a host tier."""
+    tiers = getattr(llm.cache, "tiers", ())
+    return getattr(tiers[0], part) if tiers else None
+
+
 POINTS = {  # where a fault lands: (object of the engine, method)
     "schedule: match": lambda llm: (llm.cache, "match_prefix"),
     "schedule: lock": lambda llm: (llm.cache, "lock"),
@@ -111,6 +160,11 @@ POINTS = {  # where a fault lands: (object of the engine, method)
     "commit: free": lambda llm: (llm.allocator, "free"),
     "commit: unlock": lambda llm: (llm.cache, "unlock"),
     "tier: copy": lambda llm: (llm.cache, "mover"),  # a host tier's copy, a load's or a write's
+    "tier: plan": lambda llm: (llm.cache, "plan_load"),
+    "tier: load": lambda llm: (llm.cache, "load"),
+    "tier: demote": lambda llm: (host(llm, "cache"), "demote"),
+    "tier: evict": lambda llm: (host(llm, "cache"), "evict"),  # making room for a write
+    "events: listener": lambda llm: (listening(llm), "listener"),  # a KV-event listener (every tier's events)
 }
 
 
@@ -123,7 +177,7 @@ def test_a_fault_at_each_point_of_a_step_loses_nothing(config, point, exc):
         llm = make(config)
         obj, name = POINTS[point](llm)
         if getattr(obj, name, None) is None:
-            pytest.skip(f"{config} has no {name}")
+            pytest.skip(f"{config} has no {name}" if obj is not None else f"{config} has no host tier")
         injector = FailOnce(obj, name, nth, exc, after)
         try:
             outs, faults = serve(llm)
@@ -132,6 +186,70 @@ def test_a_fault_at_each_point_of_a_step_loses_nothing(config, point, exc):
                 eng.sample = injector.real
         assert faults == (injector.calls >= nth)
         check(llm, config, outs)
+
+
+FLUSH_POINTS = {  # where a fault lands inside ``flush_cache``: (object of the engine, method)
+    "flush: evict": lambda llm: (device(llm), "evict"),
+    "flush: free": lambda llm: (llm.allocator, "free"),
+    "flush: host evict": lambda llm: (host(llm, "cache"), "evict"),
+    "flush: host free": lambda llm: (host(llm, "allocator"), "free"),
+    "flush: listener": lambda llm: (listening(llm), "listener"),
+}
+
+
+class FaultyFlushes:
+    """``serve``'s flush hook: flush at steps 2, 6, 10, ...; the 1st and 3rd of those flushes get a
+    fault at ``point`` on its ``nth`` call inside the flush (before or after the call's work); the others run
+    clean. ``fired`` counts the flushes the fault reached."""
+
+    def __init__(self, point: str, nth: int, exc: type[BaseException], after: bool):
+        self.point, self.nth, self.exc, self.after, self.fired, self.flushes = point, nth, exc, after, 0, 0
+
+    def __call__(self, llm: LLM, step: int) -> bool:
+        if step % 4 != 2:
+            return False
+        self.flushes += 1
+        if self.flushes in (1, 3):
+            self._arm(llm)
+        return True
+
+    def _arm(self, llm: LLM) -> None:
+        obj, name = FLUSH_POINTS[self.point](llm)
+        injector = FailOnce(obj, name, self.nth, self.exc, self.after)
+        real_flush = llm.flush_cache
+
+        def flush_once() -> int:  # the fault is armed for this one flush only
+            try:
+                return real_flush()
+            finally:
+                self.fired += injector.calls >= self.nth
+                setattr(obj, name, injector.real)
+                del llm.flush_cache
+
+        llm.flush_cache = flush_once
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("point", list(FLUSH_POINTS))
+@pytest.mark.parametrize("exc", [Injected, KeyboardInterrupt])
+def test_a_fault_inside_flush_cache_loses_nothing(config, point, exc):
+    """``flush_cache`` between steps (running requests hold locks, the host tier holds copies), a fault at each
+    of its call points, first and second call, before or after the work: the books are whole at once and
+    every output is exact."""
+    for nth, after in ((1, False), (2, True)):
+        llm = make(config)
+        obj, name = FLUSH_POINTS[point](llm)
+        if obj is None:
+            pytest.skip(f"{config} has no host tier")
+        llm.generate([list(range(300, 350))], GREEDY)  # cached and unlocked: the first flush evicts it
+        hook = FaultyFlushes(point, nth, exc, after)
+        outs, faults = serve(llm, flush=hook)
+        assert hook.flushes >= 3 and faults == hook.fired
+        assert hook.fired or nth > 1 or (point == "flush: listener" and config.startswith("none"))
+        check(llm, config, outs)
+        llm.flush_cache()  # a clean flush after the faults empties every tier but what nothing holds
+        assert llm.cache.total_size == 0 and all(t.cache.total_size == 0 for t in getattr(llm.cache, "tiers", ()))
+        llm.check_idle()
 
 
 def test_one_requests_sampling_error_fails_it_alone():
@@ -150,11 +268,12 @@ def test_one_requests_sampling_error_fails_it_alone():
 
 
 # ----------------------------------------------------------------- faults at each line
-LINE_TARGETS = [  # every line of the step's bookkeeping: a KeyboardInterrupt can land between any two
+LINE_TARGETS = [  # every line of the books' bookkeeping: a KeyboardInterrupt can land between any two
     core.Scheduler.schedule, core.Scheduler._admit, core.Scheduler._allocate, core.Scheduler._grow,
     core.Scheduler.preempt, core.Scheduler._release, core.Scheduler.commit, core.Scheduler._cache_decoded,
-    core.Scheduler.finish, core.Scheduler.abort, lifecycle.commit_prefix, lifecycle.release_sequence,
-    eng.LLM._postprocess, eng.LLM._finish,
+    core.Scheduler.finish, core.Scheduler.abort, core.Scheduler.flush, core.Scheduler._load,
+    lifecycle.commit_prefix, lifecycle.release_sequence, eng.LLM._postprocess, eng.LLM._finish, eng.LLM.flush_cache,
+    TieredCache.load, TieredCache.admitted, TieredCache.flush, TieredCache._write, Tier.store, Tier.keep,
 ]
 _CODES = {f.__code__ for f in LINE_TARGETS}
 
@@ -179,17 +298,19 @@ class LineFault:
         return self.line
 
 
-@pytest.mark.parametrize("config", ["radix-p1", "hash-b16", "hash-v0-b4", "none-p16"])
+@pytest.mark.parametrize("config", ["radix-p1", "hash-b16", "hash-v0-b4", "none-p16", "radix-p16-host-sel",
+                                    "hash-b16-host-wb"])
 def test_an_interrupt_between_any_two_lines_of_the_bookkeeping_loses_nothing(config):
-    """Ctrl-C between any two lines of scheduling, allocation, commit and finishing (the real SIGINT is held
-    back there, but an exception raised by a callee can land anywhere): 60 landing points spread over a run."""
+    """Ctrl-C between any two lines of scheduling, allocation, loads and writes of the host tier, commit,
+    finishing and flushing (every 5th step; the real SIGINT is held back there, but an exception raised by
+    a callee can land anywhere): 62 landing points spread over a run."""
     total = 0
     for nth in range(1, 6000, 97):
         llm = make(config)
         tracer = LineFault(nth)
         sys.settrace(tracer)
         try:
-            outs, faults = serve(llm)
+            outs, faults = serve(llm, flush=lambda llm, step: step % 5 == 0)
         finally:
             sys.settrace(None)
         total += faults
@@ -199,9 +320,10 @@ def test_an_interrupt_between_any_two_lines_of_the_bookkeeping_loses_nothing(con
 
 # ----------------------------------------------------------------- randomized
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_faults_and_aborts_over_a_long_run(config):
-    """Per seed: 16 requests sharing prefixes, faults at 4 random calls of random points (and, every other
-    seed, at a random line of the bookkeeping), 3 requests aborted; the others' outputs stay exact."""
+def test_random_faults_flushes_and_aborts_over_a_long_run(config):
+    """Per seed: 16 requests sharing prefixes, faults at 4 random calls of random points (the listener and
+    the host tier's among them; and, every other seed, at a random line of the bookkeeping), 3 requests
+    aborted at a random step, the cache flushed at 4 random steps; the others' outputs stay exact."""
     total = 0
     for seed in range(8):
         rng = random.Random(seed)
@@ -216,9 +338,11 @@ def test_random_faults_and_aborts_over_a_long_run(config):
                 exc = rng.choice([Injected, KeyboardInterrupt])
                 FailOnce(obj, name, rng.randrange(1, 60), exc, after=rng.random() < 0.5)
         aborted = set(rng.sample(range(len(prompts)), 3))
+        flushes = set(rng.sample(range(1, 40), 4))
         sys.settrace(LineFault(rng.randrange(1, 3000)) if seed % 2 else None)
         try:
-            outs, faults = serve(llm, prompts, abort=aborted)
+            outs, faults = serve(llm, prompts, abort=aborted, abort_step=rng.randrange(1, 12),
+                                 flush=lambda llm, step, flushes=flushes: step in flushes)
         finally:
             sys.settrace(None)
         for i, out in outs.items():
@@ -496,3 +620,149 @@ def test_radix_keeps_no_root_for_a_namespace_that_got_nothing():
         assert cache.insert([1, 2], [0, 1], namespace=ns) == 0  # shorter than a page: nothing cached
     assert list(cache._roots) == [None]
     cache.check_invariants()
+
+
+# ----------------------------------------------------------------- entry points outside step(): flush, listeners
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class RaiseAt:
+    """A KV-event listener that raises ``exc`` at its ``nth`` event (after counting it) and records the rest."""
+
+    def __init__(self, nth: int, exc: type[BaseException] = Injected):
+        self.nth, self.exc, self.events = nth, exc, []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+        if len(self.events) == self.nth:
+            raise self.exc("injected")
+
+
+def host_engine(kind: str, policy: str, **kw) -> LLM:
+    """A radix or hash engine over a host tier of twice its pool, under ``policy``."""
+    base = dict(prefix_cache=kind, page_size=16, kv_cache_tokens=320, chunked_prefill_size=16,
+                host_kv_cache_tokens=640, write_policy=policy)
+    return LLM("tiny-random", max_batch_tokens=48, **(base | kw))
+
+
+def host_reference(kind: str, policy: str) -> list[list[int]]:
+    key = f"{kind}-host-{policy}"
+    if key not in _EXPECTED:
+        _EXPECTED[key] = [o.token_ids for o in host_engine(kind, policy).generate(PROMPTS, GREEDY)]
+    return _EXPECTED[key]
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_flush_with_a_host_tier_whose_eviction_fails_midway_loses_no_slot(kind, policy):
+    """A KV-event listener raising while the flush empties the host tier (after some of its victims left):
+    the fault propagates, the books are whole (every slot free or held once, in every tier), and the next
+    ``generate()`` gives the reference outputs and ends idle. Once the host tier's heap broke for good."""
+    llm = host_engine(kind, policy, write_threshold=1)
+    llm.generate(PROMPTS, GREEDY)
+    llm.generate([list(range(300 + 40 * i, 370 + 40 * i)) for i in range(4)], GREEDY)  # evicts: write_back writes
+    host = llm.cache.tiers[0]
+    assert host.cache.total_size > host.cache.page_size  # several host entries, so the fault lands midway
+    listener = RaiseAt(2)
+    host.cache.listener = listener
+    with pytest.raises(Injected):
+        llm.flush_cache()
+    assert len(listener.events) == 2
+    llm.check_idle()
+    host.cache.listener = None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == host_reference(kind, policy)
+    llm.check_idle()
+    llm.flush_cache()  # and a later flush empties every tier
+    assert llm.cache.total_size == 0 and host.cache.total_size == 0
+    llm.check_idle()
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_flush_under_write_back_discards_without_copying(kind):
+    """A flush drops what it evicts: under write_back nothing is copied to host (once the whole device tier
+    was), and a copy that would fail cannot strand the device's slots."""
+    llm = host_engine(kind, "write_back")
+    llm.generate(PROMPTS, GREEDY)
+    written = llm.stats()["written_tokens"]
+    FailOnce(llm.cache, "mover", 1, Injected)  # any copy now fails
+    assert llm.flush_cache() > 0
+    assert llm.stats()["written_tokens"] == written and llm.cache.total_size == 0
+    llm.check_idle()
+
+
+def _wait_for_memory() -> tuple[list[int], list[int], list[int]]:
+    """Prompts where a request reusing a cached 60-token prefix waits for memory (of 200 slots) for many
+    steps: ``warm`` caches the prefix, ``hold`` keeps it locked and fills the pool while it decodes, ``waits``
+    (120 more tokens) reuses it once admitted."""
+    prefix = list(range(1, 61))
+    return prefix + [200] * 4, prefix + list(range(300, 340)), prefix + list(range(380, 500))
+
+
+def test_selective_writes_count_a_waiting_request_once_in_the_engine():
+    """write_through_selective counts reuses once per admitted request: a request retried for memory every
+    step counts once, at admission (it once counted each retry and got the prefix written after two)."""
+    warm, hold, waits = _wait_for_memory()
+    llm = LLM("tiny-random", prefix_cache="radix", kv_cache_tokens=200, host_kv_cache_tokens=400,
+              write_policy="write_through_selective", write_threshold=4)
+    llm.generate([warm], SamplingParams(max_new_tokens=1))  # the prefix's insertion: its first hit
+    llm.add_request(hold, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    llm.step()
+    llm.add_request(waits, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    waited = 0
+    while llm.has_unfinished():
+        waited += bool(llm.waiting)
+        llm.step()
+    assert waited > 5  # it was retried many steps
+    # the insertion, hold's admission and waits' make three hits: below the threshold, nothing is written
+    assert llm.stats()["written_tokens"] == 0
+    llm.check_idle()
+
+
+def test_selective_writes_count_a_waiting_request_once_in_the_simulator():
+    from radixkv.sim import simulate
+    from radixkv.workloads import Request
+
+    warm, hold, waits = _wait_for_memory()
+    reqs = [Request(0.0, 0, warm, 1), Request(1.0, 1, hold, 60), Request(1.001, 2, waits, 2)]
+    base = dict(capacity_tokens=200, host_capacity_tokens=400, write_policy="write_through_selective")
+    assert simulate(reqs, **base, write_threshold=4).written_tokens == 0  # three hits in all: never written
+    assert simulate(reqs, **base, write_threshold=3).written_tokens == 60  # the prefix, once, at the third
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash", "hash-v0"])
+@pytest.mark.parametrize("nth", [1, 2, 3, 5])
+def test_a_raising_listener_leaves_the_cache_whole_and_recovery_makes_every_entry_evictable(kind, nth):
+    """A listener raising at an insert's, a stranding's or an eviction's event: the cache's invariants hold at
+    once; recovery (``unlock_all``, the allocator ``retain``s what the cache holds) makes every unlocked entry
+    evictable again and loses no slot. Once the hash cache's victim stayed cached outside its free queue."""
+    from radixkv import make_cache
+    from radixkv.memory import SlotAllocator
+
+    cache, alloc = make_cache(kind, block_size=4, page_size=4), SlotAllocator(64, page_size=4)
+    prompts = [list(range(16)), list(range(8)) + [90, 91, 92, 93], list(range(50, 62))]
+    listener = RaiseAt(nth)
+    cache.listener = listener
+    faults = 0
+    for p in prompts:
+        try:
+            slots = alloc.alloc(len(p))
+            already = cache.insert(p, slots)
+            alloc.free(slots[:already])
+        except Injected:
+            faults += 1
+        cache.check_invariants()
+    m = cache.match_prefix(prompts[0][:8])
+    cache.lock(m.node)  # one entry stays locked through the eviction
+    try:
+        alloc.free(cache.evict(10**6))
+    except Injected:
+        faults += 1
+    cache.check_invariants()
+    assert faults == 1
+    cache.unlock_all()
+    alloc.retain(cache.held_slots())
+    cache.listener = None
+    assert cache.evictable_size == cache.total_size
+    alloc.free(cache.evict(10**6))
+    cache.check_invariants()
+    assert cache.total_size == 0 and alloc.num_free == alloc.capacity

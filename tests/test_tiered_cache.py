@@ -258,9 +258,13 @@ def write_down(rig: Rig, tokens: Any, namespace: Any = None) -> None:
 
 
 def reuse(rig: Rig, tokens: Any, namespace: Any = None) -> None:
-    """An admission reusing the device's match of ``tokens``: plan a load (where reuses are counted), cancel."""
+    """An admission reusing the device's match of ``tokens``: lock, plan a load and cancel it, count the reuse
+    (``admitted``, as the scheduler does at a request's first admission), unlock."""
     m = rig.cache.match_prefix(tokens, namespace)
+    rig.cache.lock(m.node)
     rig.cache.cancel(rig.cache.plan_load(tokens, m, namespace))
+    rig.cache.admitted(tokens, m, namespace)
+    rig.cache.unlock(m.node)
 
 
 def copied(rig: Rig, src: str, dst: str) -> list[Copy]:

@@ -3,7 +3,9 @@
 Modelled on vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, the stream Dynamo's KV router
 builds its index from (:class:`~radixkv.routing.kv_index.KVEventIndex`). Every cache has a ``listener``
 attribute (None by default: then no event is built and nothing is hashed); set it to a callable and the
-cache calls it with one event each time pages or blocks join the cache, leave it, or all go at once.
+cache calls it with one event each time pages or blocks join the cache, leave it, or all go at once. It is
+called once the cache's own books hold the change, so a listener that raises leaves the cache whole (an
+``evict`` it interrupts has removed its victims so far: the caller's recovery takes their slots back).
 
 A block hash names the whole prefix through its block, but only within one cache object: the hash a
 removal names is the one its store named, and a store's parent is a block the same cache stored and has

@@ -16,7 +16,9 @@ The baseline radixkv compares the radix tree against, following vLLM v1's ``Bloc
   go back to the caller as duplicates), as the radix tree does, so both caches hold the same memory for the
   same content.
 * Events (:mod:`radixkv.cache.events`) name blocks by their keys: an insert's new blocks are one
-  ``BlockStored``, each evicted block a ``BlockRemoved`` (its namespace found from its chain's seed).
+  ``BlockStored``, each evicted block a ``BlockRemoved`` (its namespace found from its chain's seed). The
+  listener hears of a change once the cache's books hold it, so a listener that raises leaves every
+  invariant whole.
 """
 
 from __future__ import annotations
@@ -363,8 +365,7 @@ class HashBlockCache:
                 break
             if self.policy.observes:
                 self.policy.evicted(block)
-            if self.listener is not None:
-                self.listener(BlockRemoved((block.key,), self._namespace_of(block, namespaces)))
+            event = None if self.listener is None else BlockRemoved((block.key,), self._namespace_of(block, namespaces))
             if victims is not None:
                 victims.append(self._evicted(block, namespaces, last))
                 last = block, victims[-1]
@@ -379,6 +380,8 @@ class HashBlockCache:
                     queue.ready(parent)  # lru: already queued behind its children; others: rank it again
             else:  # a first block: its namespace's seed goes with the last one
                 self._release_seed(block.parent_key)
+            if event is not None:  # told once the books hold the removal: a listener that raises breaks nothing
+                self.listener(event)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def _namespace_of(self, block: Block, known: dict[BlockKey, Hashable]) -> Hashable:

@@ -44,7 +44,8 @@ to pin down how the two differ:
 * **Events** (:mod:`radixkv.cache.events`) name blocks by their table keys ``(hash, namespace)``: an
   insert's new blocks are one ``BlockStored``; an evicted block, and a stranded one an insert replaces
   (before the store that reuses its key), a ``BlockRemoved``. A stranded block stays stored, unreachable
-  in an events-fed index as in the table; spare slots are no block and make no event.
+  in an events-fed index as in the table; spare slots are no block and make no event. The listener hears
+  of a change once the table's books hold it, so a listener that raises leaves every invariant whole.
 """
 
 from __future__ import annotations
@@ -232,12 +233,12 @@ class HashV0Cache:
             raise ValueError(f"tokens and indices differ in length: {len(arr)} != {len(idx)}")
         self._clock += 1
         bs, toks = self.block_size, arr.tolist()
-        covered, leading, parent = [], None, None
+        covered, leading, parent, events = [], None, None, []
         for i in range(len(toks) // bs):
             key, prefix = self.hash_of_block(toks, i, namespace)
             block = self._blocks.get((key, namespace))  # the namespace compared too: hash(-1) == hash(-2)
             if block is not None and leading is not None:  # cached past a missing block: stranded
-                self._strand(block)
+                events.append(self._strand(block))
                 block = None
             if block is None:
                 if leading is None:
@@ -248,8 +249,10 @@ class HashV0Cache:
             covered.append(block)
             parent = block
         self._touch(covered)
-        if leading is not None and self.listener is not None:  # every block from the first new one on is new
-            self._stored(covered, leading, toks, namespace)
+        if leading is not None and self.listener is not None:  # told once the books hold the insert
+            for event in events:  # the stranded blocks left before the store that reuses their keys
+                self.listener(event)
+            self._stored(covered, leading, toks, namespace)  # every block from the first new one on is new
         return (len(covered) if leading is None else leading) * bs
 
     def lock(self, node: V0Chain) -> None:
@@ -312,25 +315,27 @@ class HashV0Cache:
             _, _, seq, block = heapq.heappop(self._heap)
             if not self._live(seq, block):
                 continue
-            self._drop(block)
+            event = self._drop(block)
             freed.append(block.slots)
             count += self.block_size
+            if event is not None:  # told once the books hold the removal: a listener that raises breaks nothing
+                self.listener(event)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
-    def _drop(self, block: V0Block) -> None:
-        """Take an unlocked block out of the table and tell the listener. O(1)."""
+    def _drop(self, block: V0Block) -> BlockRemoved | None:
+        """Take an unlocked block out of the table: the event the caller tells the listener once its books are
+        whole (None without a listener). O(1)."""
         del self._blocks[(block.key, block.namespace)]
         block.cached = False
         self._unlocked -= 1
-        if self.listener is not None:
-            self.listener(BlockRemoved(((block.key, block.namespace),), block.namespace))
+        return None if self.listener is None else BlockRemoved(((block.key, block.namespace),), block.namespace)
 
-    def _strand(self, block: V0Block) -> None:
+    def _strand(self, block: V0Block) -> BlockRemoved | None:
         """Drop a stranded block (unlocked: its missing parent held no lock) for the caller's copy; its slots
-        join the spare ones."""
+        join the spare ones. Its removal's event (the listener hears it before the store that reuses its key)."""
         self._spare.append(block.slots)
         self._spare_tokens += self.block_size
-        self._drop(block)  # it leaves the table (and the listener hears so) before the caller's copy takes its key
+        return self._drop(block)
 
     def _stored(self, covered: list[V0Block], leading: int, toks: list[int], namespace: Hashable) -> None:
         """Tell the listener about ``covered[leading:]``, an insert's new blocks. Block hashes are the table's

@@ -16,8 +16,11 @@ Design notes, because they decide the speed:
   rebuilt from the live ones past 2 x nodes + 64 entries: O(log n) amortized per push or pop.
 * The tree never frees memory; ``evict`` returns slot indices to the caller.
 * Events (:mod:`radixkv.cache.events`) are per page: an insert's new leaf is one ``BlockStored``, an evicted
-  leaf one ``BlockRemoved``; a split changes no page, so it says nothing. A page's hash is a prefix hash
-  chained from the namespace's seed; each node keeps the state at its end once a listener needed it.
+  leaf one ``BlockRemoved``; a split changes no page, so it says nothing. The listener hears of a change
+  once the tree's books hold it, so a listener that raises leaves every invariant whole (an ``evict`` it
+  interrupts has removed its victims so far; the caller's recovery, ``allocator.retain``, takes their
+  slots). A page's hash is a prefix hash chained from the namespace's seed; each node keeps the state at
+  its end once a listener needed it.
 """
 
 from __future__ import annotations
@@ -414,8 +417,7 @@ class RadixCache:
             if policy.observes:
                 policy.evicted(node)
             parent = node.parent
-            if self.listener is not None:
-                removed(self, node)  # while it still hangs from its path
+            event = None if self.listener is None else removed(self, node)  # while it still hangs from its path
             if victims is not None:
                 victims.append(self._evicted(node))
             del parent.children[node.key[:pb]]
@@ -428,6 +430,8 @@ class RadixCache:
                 self._push(parent)
             elif not parent.children and parent is not self.root and parent.parent is None:
                 self._drop_root(parent)
+            if event is not None:  # told once the books hold the removal: a listener that raises breaks nothing
+                self.listener(event)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
     def _evicted(self, leaf: RadixNode) -> Evicted:  # its whole prefix, still in the tree: O(depth + tokens)

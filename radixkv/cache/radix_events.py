@@ -37,7 +37,8 @@ def stored(cache: Any, parent: RadixNode, leaf: RadixNode, namespace: Hashable) 
                                cache.page_size, namespace))
 
 
-def removed(cache: Any, leaf: RadixNode) -> None:
-    """Tell ``cache.listener`` about an evicted leaf's pages (the whole leaf goes). O(depth + leaf tokens)."""
+def removed(cache: Any, leaf: RadixNode) -> BlockRemoved:
+    """The event of an evicted leaf's pages (the whole leaf goes), built while the leaf still hangs from its
+    path; the cache tells its listener once the leaf is gone. O(depth + leaf tokens)."""
     states = page_states(state_at(cache, leaf.parent), leaf.tokens, cache.page_size)
-    cache.listener(BlockRemoved(block_hashes(states), cache.namespace_of(leaf)))
+    return BlockRemoved(block_hashes(states), cache.namespace_of(leaf))

@@ -10,8 +10,9 @@ Write policies (SGLang's names) decide when device KV is copied down:
 
 * ``write_through``: when it is inserted;
 * ``write_through_selective``: when an entry's hits reach ``write_threshold``, counting as SGLang does its
-  insertion as the first and each admission that reuses it as one more (once per admission, at
-  ``plan_load``, against the match's last entry: reuses, not lookups); 1 is ``write_through``;
+  insertion as the first and each admitted request that reuses it as one more (``admitted``, which the
+  scheduler calls once per request, at its first admission, against the device match's last entry: reuses,
+  not lookups, and never a retry of a request that waited for memory); 1 is ``write_through``;
 * ``write_back``: when the device tier evicts it (the whole prefix through the entry, ancestors the device
   still holds included: a lower tier is a prefix tree too); ``write_through`` too, into an exclusive tier
   that dropped the copy it made at insert.
@@ -237,8 +238,7 @@ class TieredCache:
                 tier.cache.clock = clock
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
-        """The device tier's longest match (``plan_load`` extends it); under ``write_through_selective`` an
-        entry reached for the ``write_threshold``-th time is copied down. O(device match)."""
+        """The device tier's longest match (``plan_load`` extends it). O(device match)."""
         return self.device.match_prefix(tokens, namespace, hints)
 
     def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
@@ -278,8 +278,6 @@ class TieredCache:
         The tiers' matches (with the request's ``hints``) are locked until ``load`` or ``cancel``. O(tokens)
         per tier."""
         arr = as_token_array(tokens)
-        if self.write_policy == "write_through_selective" and match.length:
-            self._reused(arr[: match.length], match, namespace, hints)
         plan = LoadPlan(arr, namespace, match)
         start = match.length
         for tier in self.tiers:
@@ -323,15 +321,21 @@ class TieredCache:
         self.device.unlock(plan.match.node)
         return m
 
-    def _reused(self, tokens: np.ndarray, match: MatchResult, namespace: Hashable, hints: CacheHints) -> None:
-        """An admission reused ``match``: count it against its last entry (its insertion was hit 1), and copy
-        the prefix down when the hits reach ``write_threshold``. Counts of entries that left the device are
-        dropped once they outnumber the device's entries."""
+    def admitted(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
+                 hints: CacheHints = NO_HINTS) -> None:
+        """A request was admitted reusing ``match``, the device tier's match of ``tokens`` (still locked: the
+        caller calls this once per request, at its first admission, never for a retry). Under
+        ``write_through_selective`` the reuse counts against the match's last entry (its insertion was hit 1),
+        and the prefix is copied down when the hits reach ``write_threshold``; other policies count nothing.
+        Counts of entries that left the device are dropped once they outnumber the device's entries. O(1),
+        plus the copy."""
+        if self.write_policy != "write_through_selective" or not match.length:
+            return
         entry = _last_entry(match.node)
         uses = self._uses[entry] = self._uses.get(entry, 1) + 1
         if uses >= self.write_threshold:
             del self._uses[entry]
-            self._write(tokens, match.indices, namespace, hints)
+            self._write(as_token_array(tokens)[: match.length], match.indices, namespace, hints)
         elif len(self._uses) > 2 * max(self.device.total_size // self.page_size, 1024):
             self._uses = {e: n for e, n in self._uses.items() if _attached(e)}
 
@@ -368,6 +372,18 @@ class TieredCache:
         """The copies since the last call, in order (the simulator charges their time)."""
         out, self.copies = self.copies, []
         return out
+
+    def flush(self, allocator: SlotAllocator) -> int:
+        """Drop every unlocked entry of the device tier (its slots to ``allocator``, the device's) and of each
+        lower tier but a shared store (other replicas use it), writing nothing down: a flush discards, under
+        ``write_back`` too. The device slots freed. Not all or nothing: after a fault part way (a listener's)
+        the caller recovers as after a failed step (``unlock_all``, then its allocator ``retain``s). O(cache)."""
+        freed = self.device.evict(self.device.evictable_size)
+        allocator.free(freed)
+        for tier in self.tiers:
+            if not tier.shared:
+                tier.allocator.free(tier.cache.evict(tier.cache.evictable_size))
+        return len(freed)
 
     # ------------------------------------------------------------------ books
     def stats(self) -> dict[str, Any]:

@@ -262,6 +262,16 @@ class Scheduler:
         self.cache.unlock_all()
         self.allocator.retain(self.cache.held_slots())
 
+    def flush(self) -> int:
+        """Evict every cache entry no request holds, in every tier, writing nothing down (SGLang's
+        ``flush_cache``): the device slots freed. A fault part way leaves the cache's invariants whole and
+        slots unreturned: the caller ``recover``s. O(cache)."""
+        if isinstance(self.cache, TieredCache):
+            return self.cache.flush(self.allocator)
+        freed = self.cache.evict(self.cache.evictable_size)
+        self.allocator.free(freed)
+        return len(freed)
+
     def withdraw(self, rids: set[int]) -> None:
         """Drop the unfinished requests with these ids, freeing what they hold (their cached prefixes stay)."""
         for s in [s for s in self.running if s.rid in rids]:
@@ -293,10 +303,12 @@ class Scheduler:
         is short (nothing changed then but the eviction). ``lend``: a prefill of this step and how many leading
         tokens of ``s`` it computes, whose slots ``s`` takes as its cached prefix where they reach past the
         cache's match."""
-        m = match_for_prefill(self.cache, s.prompt, s.namespace, s.hints)  # again: earlier admissions may have evicted
+        # matched again (earlier admissions may have evicted); ``device`` stays the device tier's match
+        m = device = match_for_prefill(self.cache, s.prompt, s.namespace, s.hints)
         self.cache.lock(m.node)
         tiers = {"device": m.length}
-        if isinstance(self.cache, TieredCache):
+        tiered = isinstance(self.cache, TieredCache)
+        if tiered:
             m, tiers = self._load(s, m, budget)
         s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
         if lend is not None and lend[1] > m.length:
@@ -319,6 +331,8 @@ class Scheduler:
             self.stats["cached_tokens"] += s.cached
             for tier, n_hit in s.hit_by_tier.items():
                 self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n_hit
+            if tiered:  # a reuse, once per request (write_through_selective counts them), never per retry
+                self.cache.admitted(s.prompt, device, s.namespace, s.hints)
             if self.on_first_admit is not None:
                 self.on_first_admit(s)
         return n
