@@ -25,7 +25,8 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
     tree = RadixCache(page_size=page_size)
     slot = 0
     for r in requests:  # every sequence whose KV gets computed: prompt + output[:-1]
-        seq = r.prompt if r.output is None else np.concatenate([r.prompt, r.output[:-1]])
+        prompt = r.tokens()
+        seq = prompt if r.output is None else np.concatenate([prompt, r.output[:-1]])
         tree.insert(seq, np.arange(slot, slot + len(seq)), r.namespace)
         slot += len(seq)
     reach_cap: dict[int, int] = {}  # node -> requests reaching it within their cacheable prefix
@@ -40,11 +41,12 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
             node = node.parent
 
     def ends(r: Request):
-        cap = match_for_prefill(tree, r.prompt, r.namespace).node
-        end_prompt = tree.match_prefix(r.prompt, r.namespace).node
+        prompt = r.tokens()
+        cap = match_for_prefill(tree, prompt, r.namespace).node
+        end_prompt = tree.match_prefix(prompt, r.namespace).node
         end_seq = None
         if r.output is not None and r.output_len > 1:
-            end_seq = tree.match_prefix(np.concatenate([r.prompt, r.output[:-1]]), r.namespace).node
+            end_seq = tree.match_prefix(np.concatenate([prompt, r.output[:-1]]), r.namespace).node
         return cap, end_prompt, end_seq
 
     for r in requests:  # first pass: the matches split the tree at every end point
@@ -59,5 +61,5 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
     for key, a in reach_cap.items():
         computed_anyway = reach_all.get(key, 0) > a or key in generated
         hits += len(nodes[key]) * (a if computed_anyway else a - 1)
-    total = sum(len(r.prompt) for r in requests)
+    total = sum(r.prompt_len for r in requests)
     return hits / total if total else 0.0

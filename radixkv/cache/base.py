@@ -45,11 +45,17 @@ class CacheHints(NamedTuple):
     leaves once it finishes (the ``ttl`` policy; None: the policy's own). ``request``: who asks (any hashable,
     None: anonymous), so that a policy counting reuse counts one per request, not one per lookup (a scheduler
     looks a waiting request up more than once, and re-matches what a running one just inserted).
+    ``session`` and ``stream``: the conversation or agent session and its stream (0 the main agent, 1, 2, ...
+    its sub-agents) the request belongs to (None: unknown). ``stop``: how its answer ended (``tool_use``,
+    ``end_turn``, ...), where known: a trace replay knows it when the request is sent.
     """
 
     priority: int = 0
     ttl: float | None = None
     request: Hashable = None
+    session: Hashable = None
+    stream: Hashable = None
+    stop: str | None = None
 
 
 NO_HINTS = CacheHints()

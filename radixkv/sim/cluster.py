@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -108,6 +108,11 @@ class ClusterResult:
         return np.concatenate([r.ttfts() for r in self.replicas])
 
     @property
+    def ttft_mean(self) -> float:
+        t = self.ttfts()
+        return float(np.mean(t)) if len(t) else 0.0
+
+    @property
     def ttft_p50(self) -> float:
         t = self.ttfts()
         return float(np.median(t)) if len(t) else 0.0
@@ -126,7 +131,7 @@ class ClusterResult:
         """The totals, TTFT statistics, throughput and references as a flat dict (what experiments store)."""
         out = {"hit_rate": self.hit_rate, "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
                "computed_tokens": self.computed_tokens, "imbalance": self.imbalance,
-               "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
+               "ttft_mean": self.ttft_mean, "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
                "throughput": self.throughput, "makespan": self.makespan,
                "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts),
                "hit_rate_by_tier": self.hit_rate_by_tier,
@@ -163,11 +168,10 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     page = cache.page_size if cache is not None else config.kv_page_size
     slots = config.capacity_tokens
     if slots is None:
-        slots = sum(len(r.prompt) + r.output_len for r in requests) + page * (len(requests) + 1)
+        slots = sum(r.prompt_len + r.output_len for r in requests) + page * (len(requests) + 1)
     options = {}
     if cache is None and config.eviction_policy == "belady":  # the clairvoyant reference knows every arrival
-        options["future"] = FutureUses([(cacheable_prompt(r.prompt), r.namespace) for r in requests],
-                                       config.page_size)
+        options["future"] = FutureUses(_CacheablePrompts(requests), config.page_size)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
                         worth_loading=(cost or CostModel()).worth_loading, **options)
     named = type(cache).__name__ if cache is not None else config.prefix_cache
@@ -175,6 +179,20 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
                    "allocator_page": stack.allocator.page_size, "in_batch_sharing": sharing,
                    "preemption": preemption}
+
+
+class _CacheablePrompts:
+    """Each request's cacheable prompt and namespace, in order, built as they are read (``FutureUses`` reads
+    them twice): a replay of block prompts never holds every prompt's tokens at once."""
+
+    def __init__(self, requests: Sequence[Request]):
+        self.requests = requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, Hashable]]:
+        return ((cacheable_prompt(r.tokens()), r.namespace) for r in self.requests)
 
 
 def checked_requests(requests: object, preemption: object) -> list[Request]:
@@ -301,16 +319,17 @@ class _ClusterRun:
         req = self.feed.pop()
         used = [1.0 - rep.alloc.num_free / rep.alloc.capacity for rep in self.replicas]
         views = self.tracker.views(used)
-        i = self.router.route(req.prompt, views, req.namespace, now=t)
+        tokens = req.tokens()  # built once per request (a ``BlockPrompt`` holds its block ids only)
+        i = self.router.route(tokens, views, req.namespace, now=t)
         if not (isinstance(i, int | np.integer) and 0 <= i < len(self.replicas)):
             raise ValueError(f"router {self.router.name!r} returned {i!r}, not a replica index")
         i = int(i)
         self.decisions[req.rid] = i
-        self.tracker.sent(req.rid, i, len(req.prompt), req.output_len)
+        self.tracker.sent(req.rid, i, req.prompt_len, req.output_len)
         rep = self.replicas[i]
         if not rep.busy:
             rep.now = max(rep.now, t)
-        rep.add(req)
+        rep.add(req, tokens)
 
     def run(self) -> ClusterResult:
         while True:

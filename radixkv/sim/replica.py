@@ -181,30 +181,35 @@ class Replica:
     def busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def add(self, req: Request) -> None:
-        """Take a request sent now (rejected at once when its KV can never fit)."""
-        if len(req.prompt) + req.output_len - 1 > self.alloc.capacity:
+    def add(self, req: Request, tokens: np.ndarray | None = None) -> None:
+        """Take a request sent now (rejected at once when its KV can never fit). ``tokens``: its prompt's ids
+        where the caller built them already (``Request.tokens``); the record holds them until it finishes."""
+        if req.prompt_len + req.output_len - 1 > self.alloc.capacity:
             self._reject(req)
         else:
-            self.scheduler.add(Running(req.rid, req.prompt, req.namespace, hints=CacheHints(req.priority, req.ttl),
-                                       req=req, ready=self.feed.ready_at[req.rid]))
+            hints = CacheHints(req.priority, req.ttl)
+            if "stream" in req.meta:  # a session of streams (an agent trace): who it is and how it ends
+                hints = hints._replace(session=req.session, stream=req.meta["stream"], stop=req.meta.get("stop"))
+            self.scheduler.add(Running(req.rid, req.tokens() if tokens is None else tokens, req.namespace,
+                                       hints=hints, req=req, ready=self.feed.ready_at[req.rid]))
 
     def _reject(self, req: Request) -> None:
         self.result.rejected += 1
         self.result.per_request.append({"rid": req.rid, "session": req.session, "rejected": True,
-                                        "prompt_len": len(req.prompt), "hit": 0, "saved_prefill_s": 0.0,
+                                        "prompt_len": req.prompt_len, "hit": 0, "saved_prefill_s": 0.0,
                                         "ttft": math.nan, **req.meta})
         if self.future is not None:
             self.future.served(req.rid)
         self.feed.release(req.rid, self.now)
         if self.on_finish is not None:
-            self.on_finish(Running(req.rid, req.prompt, req.namespace, req=req), self.index, req.prompt[:0])
+            nothing = np.zeros(0, dtype=np.int64)
+            self.on_finish(Running(req.rid, nothing, req.namespace, req=req), self.index, nothing)
 
     def _finish(self, run: Running) -> None:
         req = run.req
-        seq = np.concatenate([req.prompt, output_tokens(req, self.feed.fresh)[:-1]])
+        seq = np.concatenate([run.prompt, output_tokens(req, self.feed.fresh)[:-1]])
         self.scheduler.finish(run, seq)
-        n = len(req.prompt)
+        n = len(run.prompt)
         saved = self.cost.saved_prefill_time(n, run.hit)  # every tier's hits: none of them was computed
         self.result.per_request.append({
             "rid": req.rid, "session": req.session, "rejected": False, "prompt_len": n, "hit": run.hit,

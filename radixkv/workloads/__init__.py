@@ -2,7 +2,8 @@
 
 ``make(name, seed=0, **sizes)`` builds a synthetic workload whose shape
 follows a published benchmark (sizes are keyword arguments; the defaults are
-the published shapes); ``mooncake(path)`` replays Mooncake's public trace.
+the published shapes); ``mooncake(path)`` replays Mooncake's public trace, ``agentic(path)`` real
+coding-agent sessions (prompts kept as block runs, ``BlockPrompt``, built into tokens when sent).
 Every generator is deterministic for a given seed, and tokens are int64 ids
 drawn so that two independently drawn spans never share a prefix by accident.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from radixkv.workloads.agentic import agentic
 from radixkv.workloads.mooncake import mooncake
-from radixkv.workloads.request import Request, TokenSource
+from radixkv.workloads.request import BlockPrompt, Request, TokenSource
 from radixkv.workloads.synthetic import (
     few_shot,
     multi_turn,
@@ -42,4 +44,4 @@ def make(name: str, seed: int = 0, **sizes) -> list[Request]:
     return fn(seed=seed, **sizes)
 
 
-__all__ = ["Request", "TokenSource", "WORKLOADS", "make", "mooncake"]
+__all__ = ["BlockPrompt", "Request", "TokenSource", "WORKLOADS", "agentic", "make", "mooncake"]

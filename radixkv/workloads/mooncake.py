@@ -12,16 +12,17 @@ prompt ever hits them (Mooncake's trace records no reuse of outputs).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from radixkv.checks import is_int, is_real
+from radixkv.workloads.jsonl import integer, read_records
 from radixkv.workloads.request import Request
 
 TRACE_BLOCK = 512
 MAX_LENGTH = 1 << 24  # tokens: past any model's context, and small enough that a replay's arrays fit in memory
+FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 MAX_HASH_ID = 1 << 54  # block ids b * 512 + 511 must fit in int64 (and stay clear of the outputs' negative ids)
 
 
@@ -36,45 +37,16 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     not a finite number, ``hash_ids`` not one integer in [0, 2^54) per
     512-token block. Integral floats (``700.0``) are read as integers.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"Mooncake trace not found at {path} (see shared/traces/README.md)")
     if limit is not None and (not is_int(limit) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
-    rows = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{where}: not UTF-8 text") from None
-            if line.strip():
-                rows.append(_record(line, where))
-                if limit is not None and len(rows) >= limit:
-                    break
-    if not rows:
-        raise ValueError(f"Mooncake trace {path} has no records")
-    return rows
+    return read_records(path, _record, what="Mooncake trace", readme="shared/traces/README.md", required=FIELDS,
+                        limit=limit)
 
 
-def _integer(x: object) -> int | None:
-    """``x`` as an int where it is one (or an integral float), else None."""
-    return int(x) if is_int(x) or (isinstance(x, float) and x.is_integer()) else None
-
-
-def _record(line: str, where: str) -> dict:
-    """One trace line as a checked record, lengths as ints; ``where`` (file:line) goes into every error."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not a JSON line ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
-    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
-    if missing:
-        raise ValueError(f"{where}: record has no {', '.join(missing)}")
-    n, out, ts, ids = _integer(row["input_length"]), _integer(row["output_length"]), row["timestamp"], row["hash_ids"]
+def _record(row: dict, where: str) -> dict:
+    """One trace line's object as a checked record, lengths as ints; ``where`` (file:line) goes into every
+    error."""
+    n, out, ts, ids = integer(row["input_length"]), integer(row["output_length"]), row["timestamp"], row["hash_ids"]
     if n is None or not 1 <= n <= MAX_LENGTH:
         raise ValueError(f"{where}: input_length must be an integer in [1, {MAX_LENGTH}], got {row['input_length']!r}")
     if out is None or not 0 <= out <= MAX_LENGTH:
@@ -82,7 +54,7 @@ def _record(line: str, where: str) -> dict:
                          f"got {row['output_length']!r}")
     if not is_real(ts):
         raise ValueError(f"{where}: timestamp must be a finite number, got {ts!r}")
-    if not isinstance(ids, list) or not all(_integer(b) is not None and 0 <= b < MAX_HASH_ID for b in ids):
+    if not isinstance(ids, list) or not all(integer(b) is not None and 0 <= b < MAX_HASH_ID for b in ids):
         raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^54)")
     if len(ids) != -(-n // TRACE_BLOCK):
         raise ValueError(f"{where}: {len(ids)} hash ids do not cover input_length {n} in blocks of {TRACE_BLOCK}")

@@ -10,6 +10,40 @@ import numpy as np
 from radixkv.checks import is_int, is_real
 
 
+class BlockPrompt:
+    """A prompt kept as runs of block ids and built into token ids on demand (``tokens``): a replay of a trace
+    whose prompts are billions of tokens (``radixkv.workloads.agentic``) holds each prompt in a few numbers.
+
+    Full block ``g`` holds the ``block`` token ids ``g * block + [0, block)``, so two prompts share exactly
+    the blocks whose ids they share; the ``tail`` tokens after the last full block are ``tail_start + [0,
+    tail)``, ids no other prompt holds (a partial block is never reused). ``runs``: ``[k, 2]`` int64 rows
+    ``(first id, count)`` of consecutive ids. ``len`` is the prompt's length in tokens. O(k) memory.
+    """
+
+    __slots__ = ("runs", "block", "tail", "tail_start")
+
+    def __init__(self, runs: np.ndarray, block: int, tail: int, tail_start: int):
+        self.runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        self.block, self.tail, self.tail_start = int(block), int(tail), int(tail_start)
+
+    def __len__(self) -> int:
+        return int(self.runs[:, 1].sum()) * self.block + self.tail
+
+    def block_ids(self) -> np.ndarray:
+        """The full blocks' ids in order (int64). O(blocks)."""
+        first, count = self.runs[:, 0], self.runs[:, 1]
+        starts = np.repeat(first - np.cumsum(count) + count, count)  # each run's first id minus its offset
+        return starts + np.arange(int(count.sum()), dtype=np.int64)
+
+    def tokens(self) -> np.ndarray:
+        """The prompt's token ids (int64), ``[len(self)]``. O(tokens)."""
+        full = (self.block_ids()[:, None] * self.block + np.arange(self.block, dtype=np.int64)).ravel()
+        return np.concatenate([full, np.arange(self.tail_start, self.tail_start + self.tail, dtype=np.int64)])
+
+    def __repr__(self) -> str:
+        return f"BlockPrompt({len(self.runs)} runs, {len(self)} tokens, block {self.block})"
+
+
 @dataclass(eq=False)
 class Request:
     """One request of a workload.
@@ -19,7 +53,8 @@ class Request:
             request with a ``parent`` or ``after``, the earliest time: it is
             sent ``think_time`` after the last of those finishes, if that is later).
         session: conversation / group id (for reporting and session affinity).
-        prompt: int64 token ids, ``[prompt_len]``.
+        prompt: int64 token ids, ``[prompt_len]``, or a ``BlockPrompt`` that builds them on demand
+            (``tokens()`` gives the ids either way, ``prompt_len`` the length).
         output_len: tokens to generate.
         output: the ``[output_len]`` token ids a simulator treats as generated, so
             that a later turn whose prompt contains them is consistent; None
@@ -44,7 +79,7 @@ class Request:
 
     arrival: float
     session: Hashable
-    prompt: np.ndarray
+    prompt: np.ndarray | BlockPrompt
     output_len: int
     output: np.ndarray | None = None
     parent: int | None = None
@@ -80,7 +115,8 @@ class Request:
             raise ValueError(f"invalid Request: namespace must be hashable, got {self.namespace!r}") from None
         self.priority = int(self.priority)
         self.ttl = None if self.ttl is None else float(self.ttl)
-        self.prompt = _token_ids(self.prompt, "prompt")
+        if not isinstance(self.prompt, BlockPrompt):
+            self.prompt = _token_ids(self.prompt, "prompt")
         if self.output is not None:
             self.output = _token_ids(self.output, "output")
             if len(self.output) != self.output_len:
@@ -90,7 +126,12 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
+        """The prompt's length in tokens, whatever its representation."""
         return len(self.prompt)
+
+    def tokens(self) -> np.ndarray:
+        """The prompt's token ids (int64): ``prompt`` itself, or a ``BlockPrompt`` built now (not kept)."""
+        return self.prompt.tokens() if isinstance(self.prompt, BlockPrompt) else self.prompt
 
     def __repr__(self) -> str:
         return (f"Request(rid={self.rid}, arrival={self.arrival:.3f}, session={self.session!r}, "

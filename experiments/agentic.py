@@ -1,0 +1,342 @@
+"""Coding-agent sessions at full scale: the whole agentic trace through the simulator.
+
+``python -m experiments.agentic --out docs/figures/agentic`` replays every request of
+``shared/traces/agentic/sessions.jsonl`` (``--trace``; skipped with a message where it is absent; laid out
+by ``radixkv.workloads.agentic``: Poisson session starts keeping ``--concurrency`` sessions active,
+closed-loop streams with their recorded pauses) in four parts (``--parts``):
+
+* ``capacity``: one replica, radix and hash at page 64, against device capacity (``--capacities``, millions
+  of tokens), at each concurrency and cost preset, under every eviction policy of ``--policies`` (``belady``,
+  radix only, is the clairvoyant reference); the workload's upper bound beside them.
+* ``tiers``: one replica, radix LRU, with a host tier of ``--host-ratio`` x the device under each write policy.
+* ``routers``: ``--replicas`` replicas behind each router of ``--routers`` (``affinity`` told each
+  replica's capacity), with the pooled references (one cache of all the memory, LRU and Belady).
+* each row also splits the tokens an unlimited cache would have hit and this one missed by what the
+  request waited for: a tool call (``tool_use``), a human turn (``end_turn``), an unrecorded stop, or
+  nothing (a stream's first request); and gives each session's time in service (its last answer's end
+  less its start), mean and p50.
+
+One JSON line per configuration in ``OUT/agentic.jsonl`` with its full config (a rerun skips the rows
+already there, so the grid can be run a part at a time); configurations run as Ray tasks of one CPU
+(``--no-ray``: here, in turn). Also ``OUT/config.json``, ``OUT/tables.md`` (as printed) and the figures
+``OUT/hit_rate_vs_capacity.png``, ``OUT/ttft_vs_capacity.png``. A full replay takes about a minute at 2M
+tokens on one core; the default grid is hundreds of them (hours): pass subsets of the flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from experiments import sweep
+from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
+from radixkv.bounds import upper_bound
+from radixkv.cache.eviction import POLICIES as ONLINE
+from radixkv.cache.tiered import WRITE_POLICIES
+from radixkv.routing import ROUTERS
+from radixkv.sim import simulate, simulate_cluster
+from radixkv.sim.cluster import cluster_references
+from radixkv.sim.cost import COST_PRESETS, CostModel
+from radixkv.workloads import Request, agentic
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
+RESULTS = "agentic.jsonl"
+PAGE = 64
+PARTS = ("capacity", "tiers", "routers")
+AFTER = ("tool_use", "end_turn", "", None)  # what a request waited for (its parent's stop; None: nothing)
+POLICIES = (*ONLINE, "belady")  # belady: the clairvoyant reference (radix only)
+
+
+def parse_args(argv: list[str] | None):
+    p = parser(__doc__.splitlines()[0], "docs/figures/agentic")
+    p.add_argument("--trace", default=str(TRACE), help="the agentic sessions file (.jsonl)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    p.add_argument("--capacities", default="0.25,0.5,1,2,4,8,16,32,64", help="device tokens per replica, millions")
+    p.add_argument("--concurrency", default="16,64", help="active sessions (in all, for the routers' part)")
+    p.add_argument("--cost-presets", default="llama3-70b-8xh100,llama3-8b-h100", help="the simulator's cost models")
+    p.add_argument("--caches", default="radix,hash", help="part capacity's caches")
+    p.add_argument("--policies", default=",".join(POLICIES), help="part capacity's eviction policies")
+    p.add_argument("--host-ratio", type=float, default=4.0, help="part tiers: host tokens per device token")
+    p.add_argument("--write-policies", default=",".join(WRITE_POLICIES), help="part tiers' write policies")
+    p.add_argument("--routers", default=",".join(ROUTERS), help="part routers' routers")
+    p.add_argument("--replicas", type=int, default=8, help="part routers' replicas")
+    p.add_argument("--max-pause", type=float, default=None, help="cap on every recorded pause, seconds")
+    p.add_argument("--sessions", type=int, default=None, help="only the first N sessions of the seeded order")
+    p.add_argument("--engine", action="store_true",
+                   help="instead of the grid: a few sessions through radixkv.LLM, scaled down, and the simulator's "
+                        "prediction of each request's hit (OUT/engine.jsonl)")
+    p.add_argument("--model", default="smollm2-135m", help="--engine: the model")
+    p.add_argument("--engine-sessions", type=int, default=3, help="--engine: sessions")
+    p.add_argument("--engine-requests", type=int, default=12, help="--engine: requests per session at most")
+    p.add_argument("--engine-max-prompt", type=int, default=1024, help="--engine: longest scaled prompt (tokens)")
+    p.add_argument("--engine-kv-tokens", type=int, default=4096, help="--engine: the engine's KV pool")
+    sweep.add_ray_flags(p)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------- the grid
+
+def grid(args) -> list[dict]:
+    """Every configuration of the chosen parts, cheapest capacities first."""
+    parts = names_from(args.parts, PARTS, "--parts")
+    caps = [int(float(c) * 1e6) for c in args.capacities.split(",")]
+    concs = [float(c) for c in args.concurrency.split(",")]
+    presets = names_from(args.cost_presets, sorted(COST_PRESETS), "--cost-presets")
+    out: list[dict] = []
+    for conc in concs:
+        for preset in presets:
+            base = {"concurrency": conc, "seed": args.seed, "max_pause": args.max_pause, "sessions": args.sessions,
+                    "cost_preset": preset,
+                    "page_size": PAGE, "replicas": 1, "router": None, "host_ratio": 0.0, "write_policy": None}
+            for cap in caps:
+                if "capacity" in parts:
+                    for cache in names_from(args.caches, ("radix", "hash"), "--caches"):
+                        for policy in names_from(args.policies, POLICIES, "--policies"):
+                            if policy != "belady" or cache == "radix":
+                                out.append({**base, "part": "capacity", "capacity_tokens": cap, "cache": cache,
+                                            "eviction_policy": policy})
+                if "tiers" in parts:
+                    for write in names_from(args.write_policies, WRITE_POLICIES, "--write-policies"):
+                        out.append({**base, "part": "tiers", "capacity_tokens": cap, "cache": "radix",
+                                    "eviction_policy": "lru", "host_ratio": args.host_ratio, "write_policy": write})
+                if "routers" in parts:
+                    shape = {**base, "part": "routers", "capacity_tokens": cap, "cache": "radix",
+                             "eviction_policy": "lru", "replicas": args.replicas}
+                    out.append({**shape, "router": "references"})
+                    out += [{**shape, "router": r} for r in names_from(args.routers, ROUTERS, "--routers")]
+    return sorted(out, key=lambda c: (c["capacity_tokens"], c["eviction_policy"] == "belady"))
+
+
+# ---------------------------------------------------------------------------------------------- one task
+
+def run_one(requests: Sequence[Request], config: dict) -> dict:
+    """One configuration: its summary, the missed reusable tokens by what each request waited for, and the
+    sessions' time in service."""
+    t0 = time.perf_counter()
+    cost = CostModel.preset(config["cost_preset"])
+    common = dict(cache=config["cache"], capacity_tokens=config["capacity_tokens"], page_size=PAGE,
+                  block_size=PAGE, cost_model=cost)
+    if config["router"] == "references":
+        return {"key": sweep.key(config), "config": config, "seconds": time.perf_counter() - t0,
+                **cluster_references(requests, config["replicas"], **common)}
+    if config["router"] is not None:
+        res = simulate_cluster(requests, replicas=config["replicas"], router=config["router"], references=False,
+                               router_params=sweep.router_params(config["router"], config["capacity_tokens"],
+                                                                 "radix", PAGE, PAGE), **common)
+        rows = [row for rep in res.replicas for row in rep.per_request]
+    else:
+        host = int(config["host_ratio"] * config["capacity_tokens"]) or None
+        res = simulate(requests, eviction_policy=config["eviction_policy"], host_capacity_tokens=host,
+                       write_policy=config["write_policy"] or "write_through", **common)
+        rows = res.per_request
+    return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
+            "seconds": time.perf_counter() - t0}
+
+
+def misses(rows: list[dict]) -> dict:
+    """Reusable tokens missed (``reusable - hit``, what an unlimited cache would have hit and this one did
+    not), in all and by what the request waited for (``after``), as shares of the served requests' prompt
+    tokens (a request whose KV can never fit the device is rejected, as ``rejected`` counts)."""
+    served = [r for r in rows if not r["rejected"]]  # as the hit rate counts them
+    total = sum(r["prompt_len"] for r in served) or 1
+    lost = {str(a): 0 for a in AFTER}
+    for r in served:
+        lost[str(r["after"])] += max(r["reusable"] - r["hit"], 0)
+    return {"missed_reusable": sum(lost.values()) / total, "missed_by_after": {k: v / total for k, v in lost.items()}}
+
+
+def sessions(rows: list[dict]) -> dict:
+    """Each session's time in service (its last answer's end less its first request's send), mean and p50."""
+    span: dict[str, list[float]] = {}
+    for r in rows:
+        if not r["rejected"]:
+            lo, hi = span.setdefault(r["session"], [math.inf, -math.inf])
+            span[r["session"]] = [min(lo, r["ready"]), max(hi, r["finish"])]
+    times = np.array([hi - lo for lo, hi in span.values()]) if span else np.zeros(1)
+    return {"session_time_mean": float(times.mean()), "session_time_p50": float(np.median(times))}
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+def tables(rows: list[dict], bound: float) -> str:
+    """The headline table (capacity x policy at 16 sessions, llama3-70b-8xh100, radix), the cliff per
+    concurrency, where LRU falls furthest below the bound and which misses cause it, then the other parts."""
+    out = [f"Upper bound (unlimited memory, every request in order): {bound:.4f}", ""]
+    cap_rows = [r for r in rows if r["config"]["part"] == "capacity"]
+    for conc in sorted({r["config"]["concurrency"] for r in cap_rows}):
+        for preset in sorted({r["config"]["cost_preset"] for r in cap_rows}):
+            for cache in ("radix", "hash"):
+                sel = [r for r in cap_rows if (r["config"]["concurrency"], r["config"]["cost_preset"],
+                                               r["config"]["cache"]) == (conc, preset, cache)]
+                if sel:
+                    out += capacity_table(sel, f"{cache}, {conc:g} active sessions, {preset}", bound)
+    for part in ("tiers", "routers"):
+        sel = [r for r in rows if r["config"]["part"] == part]
+        if sel:
+            out += part_table(sel, part)
+    return "\n".join(out).rstrip()
+
+
+def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
+    caps = sorted({r["config"]["capacity_tokens"] for r in rows})
+    policies = [p for p in POLICIES if any(r["config"]["eviction_policy"] == p for r in rows)]
+    cell = {(r["config"]["capacity_tokens"], r["config"]["eviction_policy"]): r for r in rows}
+    lines = [f"### {title}", "", f"hit rate (mean TTFT s, p99 TTFT s); upper bound {bound:.3f}. A request whose "
+             "prompt and answer exceed the device is rejected (counted beside the capacity, not in the rates).", "",
+             "| device tokens | " + " | ".join(policies) + " |", "| ---: |" + " ---: |" * len(policies)]
+    for c in caps:
+        rejected = max(r["rejected"] for r in rows if r["config"]["capacity_tokens"] == c)
+        lines.append(f"| {c / 1e6:g}M{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
+            f"{cell[c, p]['hit_rate']:.3f} ({cell[c, p]['ttft_mean']:.2f}, {cell[c, p]['ttft_p99']:.1f})"
+            if (c, p) in cell else "" for p in policies) + " |")
+    lru = [cell[c, "lru"] for c in caps if (c, "lru") in cell]
+    if lru:
+        worst = max(lru, key=lambda r: bound - r["hit_rate"])
+        by = worst["missed_by_after"]
+        lines += ["", f"LRU falls furthest below the bound at {worst['config']['capacity_tokens'] / 1e6:g}M: "
+                  f"{worst['hit_rate']:.3f} against {bound:.3f}; the missed reusable tokens "
+                  f"({worst['missed_reusable']:.3f} of prompt tokens) follow a tool call {by['tool_use']:.3f}, "
+                  f"a human turn {by['end_turn']:.3f}, an unrecorded stop {by['']:.3f}, nothing (a stream's "
+                  f"first request) {by['None']:.3f}.", cliff(lru)]
+    return [*lines, ""]
+
+
+def cliff(lru: list[dict]) -> str:
+    """The capacity cliff: the smallest capacity whose mean TTFT is within 2x of the largest capacity's;
+    below it TTFT jumps."""
+    ttft = {r["config"]["capacity_tokens"]: r["ttft_mean"] for r in lru}
+    caps = sorted(ttft)
+    floor = ttft[caps[-1]]
+    fine = [c for c in caps if ttft[c] <= 2 * floor]
+    edge = min(fine)
+    below = max((c for c in caps if c < edge), default=None)
+    return (f"Capacity cliff (LRU): mean TTFT is within 2x of the largest capacity's ({floor:.2f} s) down to "
+            f"{edge / 1e6:g}M" + ("" if below is None else f"; at {below / 1e6:g}M it is {ttft[below]:.2f} s")
+            + ".")
+
+
+def part_table(rows: list[dict], part: str) -> list[str]:
+    name = "write_policy" if part == "tiers" else "router"
+    lines = [f"### {part}", "", f"| device tokens | concurrency | preset | {name} | hit rate | TTFT mean | TTFT p99 |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["config"]["capacity_tokens"], r["config"]["concurrency"],
+                                         str(r["config"][name]))):
+        c = r["config"]
+        if c.get("router") == "references":
+            lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {c['concurrency']:g} | {c['cost_preset']} | "
+                         f"pooled: lru {r['pooled_lru']:.3f}, belady {r.get('pooled_belady', math.nan):.3f} | "
+                         f"bound {r['upper_bound']:.3f} | | |")
+        else:
+            lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {c['concurrency']:g} | {c['cost_preset']} | "
+                         f"{c[name]} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | {r['ttft_p99']:.1f} |")
+    return [*lines, ""]
+
+
+def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
+    """Hit rate and mean TTFT against capacity per policy, at each concurrency (radix, the first preset)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.common import log_capacity_axis
+
+    cap_rows = [r for r in rows if r["config"]["part"] == "capacity" and r["config"]["cache"] == "radix"]
+    if not cap_rows:
+        return []
+    preset = sorted({r["config"]["cost_preset"] for r in cap_rows})[0]
+    concs = sorted({r["config"]["concurrency"] for r in cap_rows})
+    paths = []
+    for metric, label, name in (("hit_rate", "hit rate", "hit_rate_vs_capacity"),
+                                ("ttft_mean", "mean TTFT (s)", "ttft_vs_capacity")):
+        fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
+        for ax, conc in zip(axes[0], concs, strict=True):
+            sel = [r for r in cap_rows if r["config"]["concurrency"] == conc and r["config"]["cost_preset"] == preset]
+            caps = sorted({r["config"]["capacity_tokens"] for r in sel})
+            for policy in [p for p in POLICIES if any(r["config"]["eviction_policy"] == p for r in sel)]:
+                pts = sorted((r["config"]["capacity_tokens"], r[metric]) for r in sel
+                             if r["config"]["eviction_policy"] == policy)
+                ax.plot([c / 1e6 for c, _ in pts], [v for _, v in pts], marker="o", label=policy,
+                        lw=2.2 if policy in ("lru", "belady") else 1.0)
+            if metric == "hit_rate":
+                ax.axhline(bound, color="k", ls="--", lw=1, label="upper bound")
+            else:
+                ax.set_yscale("log")
+            log_capacity_axis(ax, [c / 1e6 for c in caps], "device tokens per replica (millions)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{conc:g} active sessions, {preset}")
+        axes[0][-1].legend(fontsize=7)
+        paths.append(save_figure(fig, out / name))
+        plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def engine_part(args, out: Path) -> list[dict]:
+    """``--engine``: the slice through the engine and the simulator's prediction, ``OUT/engine.jsonl``."""
+    from experiments.agentic_engine import engine_slice
+
+    requests = agentic(args.trace, concurrency=1, seed=args.seed, sessions=args.engine_sessions)
+    rows = engine_slice(requests, args.model, args.engine_sessions, args.engine_max_prompt, args.engine_requests,
+                        args.engine_kv_tokens)
+    rows = [{**r, "config": {k: getattr(args, k) for k in ("trace", "seed", "model", "engine_sessions",
+                                                            "engine_requests", "engine_max_prompt",
+                                                            "engine_kv_tokens")}} for r in rows]
+    path = write_rows(out / "engine", rows)
+    agree = sum(r["equal"] for r in rows)
+    print(table(rows, ["rid", "session", "stream", "prompt_len", "engine_hit", "simulator_hit", "equal"]))
+    print(f"the simulator predicts {agree} of {len(rows)} requests' hits exactly "
+          f"(engine hit rate {sum(r['engine_hit'] for r in rows) / max(sum(r['prompt_len'] for r in rows), 1):.3f}); "
+          f"wrote {path}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    configs = grid(args)
+    out = Path(args.out)
+    if not Path(args.trace).is_file():
+        print(f"skipping the agentic experiment: no trace at {args.trace} (pass --trace PATH; see "
+              "shared/traces/agentic/README.md)")
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    if args.engine:
+        return engine_part(args, out)
+    path = out / RESULTS
+    layout = {"trace": Path(args.trace).name, "trace_bytes": Path(args.trace).stat().st_size, "seed": args.seed,
+              "max_pause": args.max_pause, "sessions": args.sessions, "page_size": PAGE}
+    sweep.write_config(out / "config.json", {"workload": layout, "grid": configs,
+                                             "cost_models": {p: asdict(CostModel.preset(p)) for p in COST_PRESETS}},
+                       {"args": vars(args), "env": environment()})
+    t0 = time.perf_counter()
+    failures = []
+    bound = upper_bound(agentic(args.trace, sessions=args.sessions), page_size=PAGE)  # order and timing free
+    done = sweep.read_results(path)
+    with contextlib.nullcontext() if args.no_ray else sweep.ray_session(args.ray_address, args.num_cpus) as ray:
+        for conc in sorted({c["concurrency"] for c in configs}):
+            todo = sweep.pending([c for c in configs if c["concurrency"] == conc], done)
+            if todo:
+                requests = agentic(args.trace, concurrency=conc, seed=args.seed, max_pause=args.max_pause,
+                                   sessions=args.sessions)
+                failures += sweep.execute(requests, todo, path, ray, desc=f"{conc:g} sessions", run=run_one)[1]
+    wanted = {sweep.key(c) for c in configs}
+    rows = [r for r in sweep.read_results(path) if r["key"] in wanted]
+    print(f"ran in {time.perf_counter() - t0:.0f} s; {sum(r['seconds'] for r in rows):.0f} s of runs in the file")
+    text = tables(rows, bound)
+    print(text)
+    (out / "tables.md").write_text(text + "\n")
+    print("wrote", path, *draw(rows, out, bound))
+    if failures:
+        raise SystemExit(f"{len(failures)} configuration(s) failed; rerun the same command to retry them")
+    return rows
+
+
+if __name__ == "__main__":
+    run_cli(main)
