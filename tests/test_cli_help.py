@@ -11,7 +11,7 @@ import pytest
 import experiments
 from radixkv import serve
 
-LIBRARIES = ("agentic_engine", "common", "plots", "serve_client", "serve_load")  # experiments' shared code, not commands
+LIBRARIES = ("agentic_engine", "common", "plots", "serve_client", "serve_load")  # shared code, not commands
 
 
 class _Parsed(Exception):
