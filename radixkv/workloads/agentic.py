@@ -138,13 +138,14 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
         raise ValueError(f"max_pause must be a number >= 0 or None, got {max_pause!r}")
     if sessions is not None and not (is_int(sessions) and sessions >= 1):
         raise ValueError(f"sessions must be an integer >= 1 or None, got {sessions!r}")
-    if not isinstance(seed, int | np.integer) or isinstance(seed, bool):
+    if not is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     by_session: dict[str, list[dict]] = {}
     for row in read_sessions(path):
         by_session.setdefault(row["session"], []).append(row)
     rng = np.random.default_rng(seed)
-    names = [list(by_session)[i] for i in rng.permutation(len(by_session))][:sessions]
+    keys = list(by_session)
+    names = [keys[i] for i in rng.permutation(len(keys))][:sessions]
     mean = float(np.mean([session_duration(by_session[n]) for n in names]))
     per_second = rate if rate is not None else concurrency / max(mean, 1e-9)
     starts = np.cumsum(rng.exponential(1.0 / per_second, size=len(names)))
