@@ -23,6 +23,7 @@ from tqdm import tqdm  # noqa: E402
 
 from experiments.common import (  # noqa: E402
     add_budget_flags,
+    add_settings,
     budgets,
     check_budgets,
     environment,
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--evictions", default=",".join(EVICTIONS), help=f"eviction policies, a subset of {list(EVICTIONS)}")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help=f"scheduling policies, a subset of {list(SCHEDULES)}")
-    p.add_argument("--max-running", type=int, default=32, help="requests running at once")
+    add_settings(p, "max_running", max_running=32)
     add_budget_flags(p)
     args = p.parse_args(argv)
     check_budgets(p, args)

@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from experiments.common import (  # noqa: E402
     add_budget_flags,
+    add_settings,
     budgets,
     check_budgets,
     environment,
@@ -46,9 +47,7 @@ from experiments.common import (  # noqa: E402
 )
 from experiments.plots import fig5_block_size  # noqa: E402
 from radixkv import workloads  # noqa: E402
-from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES  # noqa: E402
 from radixkv.cache.radix import RadixCache  # noqa: E402
-from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES  # noqa: E402
 from radixkv.sim import simulate, upper_bound  # noqa: E402
 
 SIZES = {  # workload -> make() sizes; the request counts of experiments.ablation
@@ -142,12 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--capacity-of", default="distinct", choices=["distinct", "total"],
                    help="fractions of the workload's distinct tokens (an unlimited cache's final size) or all tokens")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the sessions / groups (small runs: 0.1)")
-    p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
-                   help="the caches' eviction policy")
-    p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES,
-                   help="the simulated scheduler's policy")
-    p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 turns it off")
-    p.add_argument("--max-running", type=int, default=32, help="requests running at once")
+    add_settings(p, "eviction_policy", "schedule_policy", "in_batch_sharing", "max_running", max_running=32)
     p.add_argument("--no-plot", action="store_true", help="write the .jsonl only")
     add_budget_flags(p)
     args = p.parse_args(argv)

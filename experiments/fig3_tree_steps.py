@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import run_cli
+from experiments.common import add_settings, run_cli
 from radixkv import RadixCache, SlotAllocator
 from radixkv.cache.lifecycle import release_sequence
 from radixkv.viz import TreeDiff, diff_trees
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> list[Step]:
     from experiments.common import parser, save_figure, table, write_rows
 
     p = parser(__doc__.splitlines()[0], "docs/figures/sglang_fig3")
-    p.add_argument("--page-size", type=int, default=1, help="radix tree page size")
+    add_settings(p, "page_size")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     tok = load_tokenizer()

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import environment, names_from, parser, run_cli, table, with_ext
+from experiments.common import add_settings, environment, names_from, parser, run_cli, table, with_ext
 from radixkv import make_cache
 
 CACHES = ("hash-v0", "hash", "radix")
@@ -270,8 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0], "results/hash_growth")
     p.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated subset of {list(CACHES)}")
     p.add_argument("--lengths", default="1024,4096,16384,65536", help="prompt lengths in tokens")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block of both hash caches")
-    p.add_argument("--page-size", type=int, default=1, help="the radix tree's page size")
+    add_settings(p, "page_size", "block_size")
     p.add_argument("--repeats", type=int, default=7, help="fresh (cache, prompt) pairs per case, at most")
     p.add_argument("--min-repeats", type=int, default=3, help="repeats every case runs, whatever its time")
     p.add_argument("--case-budget", type=float, default=10.0,

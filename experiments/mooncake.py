@@ -24,6 +24,7 @@ from tqdm import tqdm  # noqa: E402
 from experiments.common import (  # noqa: E402
     DEFAULT_TRACE,
     add_budget_flags,
+    add_settings,
     budgets,
     check_budgets,
     environment,
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--capacities", default="2e6,4e6,8e6,16e6,32e6,0",
                    help="KV budgets in tokens; 0 = unlimited")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {list(ARMS)}")
-    p.add_argument("--max-running", type=int, default=64, help="requests running at once")
+    add_settings(p, "max_running")
     p.add_argument("--no-belady", action="store_true", help="skip the clairvoyant (Belady) reference runs")
     add_budget_flags(p)
     args = p.parse_args(argv)

@@ -32,11 +32,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
+from experiments.common import add_settings, environment, names_from, parser, run_cli, save_figure, table, write_rows
 from radixkv.cache import CACHES as ALL_CACHES
-from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
-from radixkv.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
-from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
+from radixkv.config import EngineConfig
+from radixkv.settings import add_flags
 from radixkv.sim import CostModel, SimResult, simulate
 from radixkv.sim.cost import TIME_CONSTANTS
 from radixkv.workloads import Request, TokenSource
@@ -216,22 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, help="shared system prompt length")
     p.add_argument("--user-tokens", type=int, help="new user tokens per turn")
     p.add_argument("--max-new-tokens", type=int, help="generated tokens per turn (EOS ignored)")
-    p.add_argument("--page-size", type=int, default=1, help="radix cache page size (tokens)")
-    p.add_argument("--block-size", type=int, default=16, help="hash caches' block size (tokens)")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384,
-                   help="KV pool size in tokens, the same for every cache")
-    p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
-                   help="the caches' eviction policy")
-    p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES, help="the engine's admission order")
-    p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size,
-                   help="longest prefill chunk per request and step")
-    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens,
-                   help="the engine's token budget per step (decodes and prefill chunks)")
-    p.add_argument("--in-batch-sharing", type=int, default=32, help="token threshold; 0 disables it")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the model's own (SmolLM2-135M: bfloat16)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="the engine's attention kernels")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_settings(p, "page_size", "block_size", "capacity_tokens", "eviction_policy", "schedule_policy",
+                 "chunked_prefill_size", "max_batch_tokens", "in_batch_sharing", capacity_tokens=16384)
+    add_flags(p, EngineConfig, ("dtype", "attention_backend", "device"))
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")

@@ -31,7 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments import sweep  # noqa: E402
-from experiments.common import DEFAULT_TRACE, environment, names_from, parser, run_cli, save_figure  # noqa: E402
+from experiments.common import DEFAULT_TRACE, add_settings, environment, names_from, parser, run_cli, save_figure  # noqa: E402
 from radixkv.routing import ROUTERS  # noqa: E402
 from radixkv.sim import CostModel  # noqa: E402
 
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--mooncake-capacity", type=float, default=WORKLOADS["mooncake"]["pooled_capacity"],
                    help="Mooncake's pooled KV budget in tokens (each of N replicas holds it / N)")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests of each workload (quick runs)")
-    p.add_argument("--page-size", type=int, default=16, help="each replica's radix page size (tokens)")
+    add_settings(p, "page_size", page_size=16)
     p.add_argument("--workers", type=int, default=None,
                    help="CPUs of the local Ray instance (default: all cores); 1 runs in this process")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import HelpFormatter, names_from
+from experiments.common import HelpFormatter, add_settings, names_from
 from experiments.multiturn import VOCAB
 from radixkv.routing import ROUTERS
 from radixkv.workloads import TokenSource
@@ -36,8 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system-tokens", type=int, default=500, help="shared system prompt length")
     p.add_argument("--user-tokens", type=int, default=150, help="new user tokens per turn")
     p.add_argument("--max-new-tokens", type=int, default=32, help="generated tokens per turn")
-    p.add_argument("--kv-cache-tokens", type=int, default=6144,
-                   help="each replica's KV budget: the default holds about half the sessions' histories")
+    add_settings(p, "capacity_tokens", capacity_tokens=6144)  # about half the sessions' histories per replica
     p.add_argument("--cpus-per-replica", type=int, default=1, help="Ray CPUs and torch threads per replica")
     p.add_argument("--seed", type=int, default=0, help="seed for the workload and the turn order")
     p.add_argument("--out", default="docs/figures/routing_real",
@@ -54,12 +53,12 @@ def run_router(router: str, args) -> list[dict]:
     system = src.span(args.system_tokens).tolist()
     users = [[src.span(args.user_tokens).tolist() for _ in range(args.turns)] for _ in range(args.sessions)]
     order_rng = np.random.default_rng(args.seed)
-    params = {"capacity_tokens": args.kv_cache_tokens} if router == "affinity" else None
+    params = {"capacity_tokens": args.capacity_tokens} if router == "affinity" else None
     history = [list(system) for _ in range(args.sessions)]
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rows = []
     with Cluster(args.model, replicas=args.replicas, router=router, router_params=params,
-                 num_cpus_per_replica=args.cpus_per_replica, kv_cache_tokens=args.kv_cache_tokens,
+                 num_cpus_per_replica=args.cpus_per_replica, kv_cache_tokens=args.capacity_tokens,
                  seed=args.seed) as cluster:
         cluster.generate([system], SamplingParams(max_new_tokens=1))  # warm-up, as the main job does
         t0 = time.perf_counter()

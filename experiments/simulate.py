@@ -19,6 +19,7 @@ from tqdm import tqdm  # noqa: E402
 
 from experiments.common import (  # noqa: E402
     add_budget_flags,
+    add_settings,
     budgets,
     check_budgets,
     environment,
@@ -104,10 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="KV budgets as fractions of all tokens of the workload; 0 = unlimited")
     p.add_argument("--eviction-policies", default="lru", help=f"comma-separated subset of {sorted(POLICIES)}")
     p.add_argument("--schedule-policies", default="lpm", help=f"comma-separated subset of {list(SCHEDULE_POLICIES)}")
-    p.add_argument("--page-size", type=int, default=1, help="radix page size (tokens)")
-    p.add_argument("--block-size", type=int, default=16, help="hash block size (tokens)")
-    p.add_argument("--max-running", type=int, default=64, help="requests running at once")
-    p.add_argument("--in-batch-sharing", type=int, default=None, help="token threshold; off when omitted")
+    add_settings(p, "page_size", "block_size", "max_running", "in_batch_sharing", in_batch_sharing=None)
     add_budget_flags(p)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's request count")
     args = p.parse_args(argv)

@@ -32,6 +32,7 @@ from experiments.common import (
     DEFAULT_TRACE,
     _finite,
     _jsonable,
+    add_settings,
     environment,
     fractions_from,
     names_from,
@@ -369,9 +370,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--schedule-policies", default="fcfs", help="each replica's scheduling policies")
     p.add_argument("--eviction-policies", default="lru", help="each replica's eviction policies (online ones)")
     p.add_argument("--cache", default="radix", choices=["radix", "hash"], help="each replica's prefix cache")
-    p.add_argument("--page-size", type=int, default=16, help="radix page size (tokens)")
-    p.add_argument("--block-size", type=int, default=16, help="hash block size (tokens)")
-    p.add_argument("--max-running", type=int, default=64, help="requests running at once per replica")
+    add_settings(p, "page_size", "block_size", "max_running", page_size=16)
     p.add_argument("--cost-model", default=None, help="cost model JSON file (as multiturn --calibrate writes)")
     add_ray_flags(p)
     args = p.parse_args(argv)

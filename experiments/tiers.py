@@ -31,7 +31,16 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from experiments import multiturn, routing, sweep
-from experiments.common import DEFAULT_TRACE, environment, fractions_from, names_from, parser, run_cli, save_figure
+from experiments.common import (
+    DEFAULT_TRACE,
+    add_settings,
+    environment,
+    fractions_from,
+    names_from,
+    parser,
+    run_cli,
+    save_figure,
+)
 from radixkv.cache.tiered import WRITE_POLICIES
 from radixkv.routing import ROUTERS
 from radixkv.sim import CostModel, simulate_cluster
@@ -75,7 +84,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--router", default="affinity", choices=ROUTERS, help="part (a)'s router")
     p.add_argument("--ratios", default="0,2,4,8", help="host tier / device tier ratios (0: no host tier)")
     p.add_argument("--policies", default=",".join(WRITE_POLICIES), help="write policies")
-    p.add_argument("--write-threshold", type=int, default=2, help="hits before write_through_selective writes")
+    add_settings(p, "write_threshold")
     p.add_argument("--cost-preset", default="llama3-70b-8xh100", choices=sorted(COST_PRESETS),
                    help="every replica's cost model")
     p.add_argument("--local-storage", type=int, default=3_000_000,

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from radixkv.attention.registry import BACKENDS, FLASHINFER_DTYPE_NAMES
 from radixkv.cache.base import CacheHints
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
-from radixkv.stack import StackConfig, kv_page_size
+from radixkv.settings import aliases, setting
+from radixkv.stack import StackConfig, settings_from
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
 ATTENTION_BACKENDS = BACKENDS  # the registry's names (radixkv.attention.registry, torch-free)
@@ -20,27 +20,23 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's own (ra
 FLASHINFER_DTYPES = FLASHINFER_DTYPE_NAMES  # FlashInfer has no float32 attention kernels
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EngineConfig:
-    """All engine settings: the cache and scheduling ones (``StackConfig``'s, checked there; ``stack`` gives
-    them as one) and the model's. Unknown or out-of-range values raise ``ValueError`` at construction.
+    """All engine settings: ``stack``, the cache and scheduling ones (a ``StackConfig``, defined and checked
+    there), and the model's, below. Unknown or out-of-range values raise ``ValueError`` at construction.
 
-    ``kv_cache_tokens=None`` sizes the KV pool from free memory: a quarter of
-    the memory available once the weights are loaded (the GPU's on a CUDA
-    device, the host's otherwise), at least 1,024 and at most 2**20 tokens
-    (``radixkv.engine.default_kv_tokens``).
-    ``in_batch_sharing`` is SGLang's in-batch prefix caching threshold: of
-    waiting requests sharing an uncached prefix of at least that many tokens,
-    one is admitted first and the rest follow once its prefill is cached, or in
-    the same step where that step computes it (0 disables it; it never applies
-    without a prefix cache).
+    ``EngineConfig(model, stack=None, **settings)`` takes the model's settings and any of the stack's by name
+    or alias (``kv_cache_tokens`` is ``capacity_tokens``, ``host_kv_cache_tokens`` ``host_capacity_tokens``),
+    applied over ``stack`` (default: ``StackConfig()``, the engine's defaults); the stack's settings read
+    through by name or alias too (``config.page_size``, ``config.kv_cache_tokens``).
+
+    The stack's ``capacity_tokens=None`` sizes the KV pool from free memory: a quarter of the memory available
+    once the weights are loaded (the GPU's on a CUDA device, the host's otherwise), at least 1,024 and at
+    most 2**20 tokens (``radixkv.engine.default_kv_tokens``); ``host_capacity_tokens`` adds a host tier below
+    the device pool (a second KV buffer in host memory, pinned beside a CUDA device), written under
+    ``write_policy`` (``radixkv.cache.tiered``).
     ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
     (what was computed, the model's seconds): calibration data for the simulator.
-    ``host_kv_cache_tokens`` adds a host tier of that many tokens below the device pool (a second KV buffer
-    in host memory, pinned beside a CUDA device; None or 0: none), written under ``write_policy`` (SGLang's
-    ``write_through``, ``write_through_selective`` after ``write_threshold`` hits, ``write_back``); see
-    ``radixkv.cache.tiered``.
-    ``eviction_params`` are the eviction policy's parameters (``StackConfig.eviction_params``).
     ``batch_invariant=True`` makes each token's logits the same bits whichever requests share its step
     (SGLang's ``--enable-deterministic-inference``, vLLM's batch invariance), so greedy outputs do not depend
     on the batching a pool size or a host tier leads to: 16-bit models on the CPU kernels path only
@@ -51,26 +47,42 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m"
-    prefix_cache: str = "radix"
-    page_size: int = 1
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    eviction_policy: str = "lru"
-    eviction_params: Mapping[str, Any] = field(default_factory=dict)
-    schedule_policy: str = "lpm"
-    in_batch_sharing: int = 32
-    max_batch_tokens: int | None = 4096
-    chunked_prefill_size: int | None = 1024
-    max_running: int = 64
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    record_steps: bool = False
-    host_kv_cache_tokens: int | None = None
-    write_policy: str = "write_through"
-    write_threshold: int = 2
-    batch_invariant: bool = False
+    stack: StackConfig = StackConfig()
+    attention_backend: str = setting("auto", "attention kernels: auto picks FlashInfer on a GPU (16-bit), "
+                                             "radixkv's compiled CPU kernels on a CPU (16-bit), else PyTorch",
+                                     choices=ATTENTION_BACKENDS)
+    dtype: str = setting("auto", "weights and KV cache dtype; auto is the model's own (SmolLM2-135M: bfloat16)",
+                         choices=DTYPES)
+    device: str = setting("cpu", "where the model runs: cpu, cuda or cuda:N")
+    record_steps: bool = setting(False, "keep one StepRecord per step in LLM.step_log (simulator calibration)")
+    batch_invariant: bool = setting(False, "a token's logits the same bits whichever requests share its step, "
+                                           "at some speed (SGLang's --enable-deterministic-inference; 16-bit "
+                                           "models on the CPU kernels only)")
+
+    def __init__(self, model: str = "smollm2-135m", stack: StackConfig | None = None, **settings: Any) -> None:
+        own = {f.name for f in fields(self)} - {"model", "stack"}
+        mine = {k: settings.pop(k) for k in list(settings) if k in own}
+        for f in fields(self):
+            if f.name in own:
+                object.__setattr__(self, f.name, mine.get(f.name, f.default))
+        object.__setattr__(self, "model", model)
+        unknown = sorted(set(settings) - STACK_FIELDS - set(STACK_ALIASES))
+        if unknown:
+            known = sorted(own | STACK_FIELDS | {"model", "stack"})
+            raise ValueError(f"invalid EngineConfig: unknown settings {unknown}; the settings are {known} and the "
+                             f"aliases {sorted(STACK_ALIASES)}")
+        try:
+            object.__setattr__(self, "stack", settings_from(StackConfig() if stack is None else stack, **settings))
+        except ValueError as e:
+            raise ValueError(f"invalid EngineConfig: {e}") from None
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        # the stack's settings, by name or alias (only reached where no field of the engine's own answers)
+        field_name = STACK_ALIASES.get(name, name)
+        if name.startswith("_") or field_name not in STACK_FIELDS or "stack" not in vars(self):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.stack, field_name)
 
     def __post_init__(self) -> None:
         # torch.bfloat16 / torch.device("cpu") are accepted and kept as their names (configs are saved as JSON)
@@ -81,17 +93,16 @@ class EngineConfig:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         problems = self._model_problems()
-        if self.eviction_policy == "belady":
+        if self.stack.storage_capacity_tokens:
+            problems.append("storage_capacity_tokens: the engine has no storage tier (the simulator's only)")
+        if self.stack.eviction_policy == "belady":
             problems.append("eviction_policy 'belady' needs the future: the simulator's only")
         if problems:
             raise ValueError(f"invalid EngineConfig: {problems[0]} (got {self})")
-        try:
-            self.stack  # noqa: B018 - builds (so checks) the cache and scheduling settings
-        except ValueError as e:
-            raise ValueError(f"invalid EngineConfig: {e}") from None
 
     def _model_problems(self) -> list[str]:
         types = [
+            (isinstance(self.stack, StackConfig), "stack must be a StackConfig"),
             (isinstance(self.record_steps, bool), "record_steps must be a bool"),
             (isinstance(self.batch_invariant, bool), "batch_invariant must be a bool"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
@@ -106,21 +117,18 @@ class EngineConfig:
         return [message for ok, message in types if not ok]
 
     @property
-    def stack(self) -> StackConfig:
-        """The cache and scheduling settings as one ``StackConfig`` (``kv_cache_tokens`` is its capacity,
-        ``host_kv_cache_tokens`` its host tier's)."""
-        own = ("capacity_tokens", "host_capacity_tokens", "storage_capacity_tokens")  # named for the engine here
-        values = {f.name: getattr(self, f.name) for f in fields(StackConfig) if f.name not in own}
-        return StackConfig(**values, capacity_tokens=self.kv_cache_tokens,
-                           host_capacity_tokens=self.host_kv_cache_tokens)
-
-    @property
     def kv_page_size(self) -> int:
         """Slots per KV page (``StackConfig.kv_page_size``): the hash caches' block, the radix page, 1 for none."""
-        return kv_page_size(self.prefix_cache, self.page_size, self.block_size)
+        return self.stack.kv_page_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Flat, as results files save it: the model's settings and the stack's, by their field names."""
+        return {"model": self.model, **self.stack.to_dict(),
+                **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "stack")}}
+
+
+STACK_FIELDS = frozenset(f.name for f in fields(StackConfig))
+STACK_ALIASES = aliases(StackConfig)
 
 
 @dataclass(frozen=True)

@@ -20,59 +20,27 @@ import argparse
 import json
 import sys
 
-from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
-from radixkv.cache.tiered import WRITE_POLICIES
-from radixkv.config import ATTENTION_BACKENDS, DTYPES, PREFIX_CACHES, EngineConfig
+from radixkv.config import EngineConfig
 from radixkv.heap import freeze_startup_heap
 from radixkv.routing import ROUTERS as ROUTER_NAMES
-from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
+from radixkv.settings import SettingsParser, add_flags, described
+from radixkv.stack import StackConfig
 
-ENGINE_HELP = {
-    "page_size": "radix cache: tokens per KV page (a node holds whole pages)",
-    "block_size": "hash / hash-v0 caches: tokens per hashed block (also their KV page)",
-    "kv_cache_tokens": "KV pool size in tokens (None: a quarter of free memory, 1,024 to 2**20)",
-    "eviction_policy": "which unreferenced cache entries go first under memory pressure",
-    "schedule_policy": "order in which waiting requests are admitted (lpm: longest cached prefix first)",
-    "in_batch_sharing": "admit one of several waiting requests sharing an uncached prefix of at least this "
-                        "many tokens first (SGLang's in-batch prefix caching; 0 disables it)",
-    "max_batch_tokens": "tokens per step, decodes and prefill chunks together",
-    "chunked_prefill_size": "longest prefill chunk of one request per step",
-    "max_running": "most requests running at once",
-    "dtype": "weights and KV cache dtype; auto is the model's own (SmolLM2-135M: bfloat16)",
-    "attention_backend": "attention kernels: auto picks FlashInfer on a GPU (16-bit), radixkv's compiled CPU "
-                         "kernels on a CPU (16-bit), else PyTorch",
-    "seed": "seed for sampling and for random policies",
-    "host_kv_cache_tokens": "host tier below the KV pool, in tokens (HiCache: a second KV buffer in host memory; "
-                            "None: none)",
-    "write_policy": "when KV is copied to the host tier: on insert, after write_threshold hits, or on eviction",
-    "write_threshold": "hits before write_through_selective copies an entry to the host tier",
-}
-FLAG_NAMES = {"write_policy": "hicache_write_policy"}  # SGLang's spelling
-ENGINE_FLAGS = tuple(ENGINE_HELP)
+ENGINE_SKIP = ("model", "prefix_cache", "record_steps", "storage_capacity_tokens")  # positional; given below
+# beside vLLM's switch; the engine's calibration log; a tier only the simulator has
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="radixkv serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The server's flags: the stack's and the engine's settings generated from their fields
+    (``radixkv.settings``: a new field is a new flag), then the server's own."""
+    p = SettingsParser(prog="radixkv serve", description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, classes=(StackConfig,))
     p.add_argument("model", help="a built-in name (smollm2-135m, tiny-random, ...), a HF directory or a .gguf file")
-    p.add_argument("--prefix-cache", default="radix", choices=PREFIX_CACHES,
-                   help="the prefix cache: radix tree (SGLang), hash blocks (vLLM v1 / v0), or none")
+    add_flags(p, StackConfig, ("prefix_cache",))
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's spelling: --no-enable-prefix-caching is --prefix-cache none")
-    defaults = EngineConfig()
-    choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "eviction_policy": sorted(EVICTION_POLICIES),
-               "schedule_policy": SCHEDULE_POLICIES, "write_policy": WRITE_POLICIES}
-    for name, text in ENGINE_HELP.items():
-        kind = str if name in choices else _optional_int if name.endswith("kv_cache_tokens") else int
-        flag = FLAG_NAMES.get(name, name).replace("_", "-")
-        p.add_argument(f"--{flag}", dest=name, type=kind, default=getattr(defaults, name),
-                       choices=choices.get(name), help=text)
-    p.add_argument("--eviction-params", type=json.loads, default=None,
-                   help='the eviction policy\'s parameters as JSON, e.g. \'{"ttl": 60}\' for ttl '
-                        '(docs/eviction.md)')
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="a token's logits the same bits whichever requests share its step, at some speed "
-                        "(SGLang's --enable-deterministic-inference; 16-bit models on the CPU kernels only)")
+    add_flags(p, StackConfig, skip=ENGINE_SKIP)
+    add_flags(p, EngineConfig, skip=ENGINE_SKIP)
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "
                         "--host-kv-cache-tokens)")
@@ -93,9 +61,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _optional_int(text: str) -> int | None:
-    """``--kv-cache-tokens`` / ``--host-kv-cache-tokens``: an integer, or None (the default size; no tier)."""
-    return None if text.lower() == "none" else int(text)
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The parsed stack and engine settings by field name (what ``LLM`` takes besides model and cache)."""
+    names = [f.name for cls in (StackConfig, EngineConfig) for f in described(cls) if f.name not in ENGINE_SKIP]
+    return {name: getattr(args, name) for name in names}
 
 
 def build(args: argparse.Namespace):
@@ -104,13 +73,9 @@ def build(args: argparse.Namespace):
     from radixkv.serving.app import build_app
     from radixkv.serving.async_llm import AsyncLLM
 
-    settings = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    settings = engine_settings(args)
     if args.hicache_ratio is not None:
         settings["hicache_ratio"] = args.hicache_ratio
-    if args.batch_invariant:
-        settings["batch_invariant"] = True
-    if args.eviction_params is not None:
-        settings["eviction_params"] = args.eviction_params
     if args.replicas != 1:
         engine = _cluster_engine(args, settings)
     else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from radixkv.cache.base import PrefixCache
@@ -33,6 +33,7 @@ from radixkv.checks import is_int
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.scheduling import RequestState, Scheduler, make_policy
+from radixkv.settings import canonical, setting
 
 BLOCK_CACHES = ("hash", "hash-v0")  # caches that allocate whole blocks of ``block_size``
 TIERED_CACHES = ("radix", "hash")  # those a host or storage tier can sit below
@@ -52,22 +53,38 @@ class StackConfig:
     ``radixkv.cache.tiered``.
     """
 
-    prefix_cache: str = "radix"
-    capacity_tokens: int | None = None
-    page_size: int = 1
-    block_size: int = 16
-    eviction_policy: str = "lru"
-    eviction_params: Mapping[str, Any] = field(default_factory=dict)
-    schedule_policy: str = "lpm"
-    in_batch_sharing: int = 32
-    max_batch_tokens: int | None = 4096
-    chunked_prefill_size: int | None = 1024
-    max_running: int = 64
-    seed: int = 0
-    host_capacity_tokens: int | None = None
-    storage_capacity_tokens: int | None = None
-    write_policy: str = "write_through"
-    write_threshold: int = 2
+    prefix_cache: str = setting("radix", "the prefix cache: radix tree (SGLang), hash blocks (vLLM v1 / v0), or "
+                                "none", choices=CACHES)
+    capacity_tokens: int | None = setting(
+        None, "KV budget in tokens (the engine's None: a quarter of free memory, 1,024 to 2**20; the "
+              "simulator's: room for every token)",
+        aliases=("kv_cache_tokens",), flags=("--kv-cache-tokens", "--max-total-tokens"))
+    page_size: int = setting(1, "radix cache: tokens per KV page (a node holds whole pages)")
+    block_size: int = setting(16, "hash / hash-v0 caches: tokens per hashed block (also their KV page)")
+    eviction_policy: str = setting("lru", "which unreferenced cache entries go first under memory pressure",
+                                   flags=("--radix-eviction-policy",), choices=sorted(EVICTION_POLICIES))
+    eviction_params: Mapping[str, Any] = setting(
+        {}, 'the eviction policy\'s parameters (JSON on a command line, e.g. \'{"ttl": 60}\' for ttl; '
+            'docs/eviction.md)')
+    schedule_policy: str = setting("lpm", "order in which waiting requests are admitted (lpm: longest cached "
+                                          "prefix first)", choices=SCHEDULE_POLICIES)
+    in_batch_sharing: int = setting(32, "admit one of several waiting requests sharing an uncached prefix of at "
+                                        "least this many tokens first (SGLang's in-batch prefix caching; 0: off)")
+    max_batch_tokens: int | None = setting(4096, "tokens per step, decodes and prefill chunks together (None: no "
+                                                 "limit)", flags=("--max-num-batched-tokens",))
+    chunked_prefill_size: int | None = setting(1024, "longest prefill chunk of one request per step (None: whole "
+                                                     "prompts)")
+    max_running: int = setting(64, "most requests running at once", flags=("--max-running-requests",
+                                                                           "--max-num-seqs"))
+    seed: int = setting(0, "seed for sampling and for random policies")
+    host_capacity_tokens: int | None = setting(
+        None, "host tier below the device's KV, in tokens (HiCache: a second KV buffer in host memory; None: "
+              "none)", aliases=("host_kv_cache_tokens",), flags=("--host-kv-cache-tokens",))
+    storage_capacity_tokens: int | None = setting(None, "storage tier below the host tier, in tokens (None: none)")
+    write_policy: str = setting("write_through", "when KV is copied to the lower tiers: on insert, after "
+                                                 "write_threshold hits, or on eviction",
+                                flags=("--hicache-write-policy",), choices=WRITE_POLICIES)
+    write_threshold: int = setting(2, "hits before write_through_selective copies an entry to the host tier")
 
     def __post_init__(self) -> None:
         for message in self.problems():
@@ -145,12 +162,9 @@ SIMULATOR_DEFAULTS = StackConfig(schedule_policy="fcfs", in_batch_sharing=0, max
 
 
 def settings_from(base: StackConfig, **settings: Any) -> StackConfig:
-    """``base`` with ``settings`` replaced; ``ValueError`` naming an unknown setting."""
-    known = {f.name for f in fields(StackConfig)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown settings {unknown}; the settings are {sorted(known)}")
-    return replace(base, **settings)
+    """``base`` with ``settings`` replaced (by field name or alias: ``kv_cache_tokens`` is ``capacity_tokens``);
+    ``ValueError`` naming an unknown setting."""
+    return replace(base, **canonical(StackConfig, settings))
 
 
 @dataclass

@@ -343,3 +343,20 @@ def test_regression_insert_refreshes_recency_of_cached_blocks_for_priority_polic
         cache.insert([2, 2], [2, 3])
         cache.insert([1, 1], [4, 5])  # touches [1, 1]: now the most recently used
         assert cache.evict(2).tolist() == [0, 1]
+
+
+def test_remembered_key_chains_stay_within_their_byte_bound_and_change_no_key():
+    """Regression: the memo of key chains was bounded by count alone, so long agent prompts (100k+ tokens,
+    a first block per session) held gigabytes (17 GB in a full agentic replay at 4M tokens)."""
+    from radixkv.cache.block_hash import BlockHasher
+
+    bounded = BlockHasher(16, "sha256", memo_entries=1024, memo_chains=32, memo_bytes=200_000)
+    fresh = BlockHasher(16, "sha256", memo_entries=0, memo_chains=1)
+    rng = np.random.default_rng(0)
+    for session in range(40):
+        prompt = rng.integers(0, 50_000, 4_000).tolist()
+        for turn in range(3):  # each turn extends the last, as an agent's prompts do
+            prompt += rng.integers(0, 50_000, 500).tolist()
+            assert bounded.keys(prompt, namespace=session % 3) == fresh.keys(prompt, namespace=session % 3)
+            assert bounded.memo_size <= 200_000 + 8 * len(prompt) + 80 * (len(prompt) // 16)
+    assert bounded.memo_size == sum(len(c[0]) + 80 * len(c[1]) for chains in bounded._memo.values() for c in chains)

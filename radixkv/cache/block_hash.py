@@ -64,6 +64,9 @@ class BlockHasher:
         hash_algo: ``sha256``, ``xxhash`` or ``builtin`` (see the module docs).
         memo_entries: first blocks whose key chains are remembered.
         memo_chains: chains remembered per first block.
+        memo_bytes: the most the remembered chains may hold (their tokens' bytes and their keys'); the least
+            recently used first blocks' chains go first beyond it. Agent sessions' 100k-900k-token prompts
+            made a count bound alone hold gigabytes.
 
     ``hash(parent_key, block_bytes)`` is the chain step; ``seed(namespace)``
     block 0's parent. Seeds are cached per instance by dict equality and
@@ -71,12 +74,14 @@ class BlockHasher:
     hasher's lifetime.
     """
 
-    def __init__(self, block_size: int, hash_algo: str, memo_entries: int, memo_chains: int):
+    def __init__(self, block_size: int, hash_algo: str, memo_entries: int, memo_chains: int,
+                 memo_bytes: int = 256 << 20):
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"unknown hash_algo {hash_algo!r}; choose one of {list(HASH_ALGOS)}")
         self.block_size, self.hash_algo = block_size, hash_algo
         self.hash: ChainHash = {"sha256": _sha256, "builtin": _builtin}.get(hash_algo) or _xxhash()
-        self.memo_entries, self.memo_chains = memo_entries, memo_chains
+        self.memo_entries, self.memo_chains, self.memo_bytes = memo_entries, memo_chains, memo_bytes
+        self.memo_size = 0  # bytes the remembered chains hold, as _chain_bytes counts them
         self._seeds: dict[Hashable, BlockKey] = {}  # the held seeds (see hold) and their owners
         self._owners: dict[BlockKey, Hashable] = {}
         # (seed, first block bytes) -> recent (token bytes, their chained keys, last block); see recall.
@@ -106,7 +111,7 @@ class BlockHasher:
         """Forget a seed no block chains from any more, and the namespace's remembered chains. O(memo)."""
         del self._seeds[self._owners.pop(seed)]
         for slot in [slot for slot in self._memo if slot[0] == seed]:
-            del self._memo[slot]
+            self._forget(slot)
 
     def owner(self, seed: BlockKey) -> Hashable:
         """The namespace a held seed belongs to. O(1)."""
@@ -185,12 +190,23 @@ class BlockHasher:
         slot = (self.seed(namespace), data[:step])
         chains = self._memo.get(slot)
         if chains is None:
-            chains = self._memo[slot] = deque(maxlen=self.memo_chains)
-            if len(self._memo) > self.memo_entries:
-                self._memo.popitem(last=False)
+            chains = self._memo[slot] = deque()
         else:
             self._memo.move_to_end(slot)
         covered = data if len(keys) * step == len(data) else data[: len(keys) * step]
         if chains and covered.startswith(chains[-1][0]):
-            chains.pop()  # the newest chain extends the previous one: keep only the longer
+            self.memo_size -= _chain_bytes(chains.pop())  # the newest chain extends the previous one: keep the longer
+        if len(chains) == self.memo_chains:
+            self.memo_size -= _chain_bytes(chains.popleft())
         chains.append((covered, keys, covered[-step:]))
+        self.memo_size += _chain_bytes(chains[-1])
+        while len(self._memo) > 1 and (len(self._memo) > self.memo_entries or self.memo_size > self.memo_bytes):
+            self._forget(next(iter(self._memo)))  # the least recently used first block
+
+    def _forget(self, slot: tuple) -> None:
+        self.memo_size -= sum(map(_chain_bytes, self._memo.pop(slot)))
+
+
+def _chain_bytes(chain: tuple[bytes, list[BlockKey], bytes]) -> int:
+    """What one remembered chain holds: its tokens' bytes and about 80 bytes a key (the object and its slot)."""
+    return len(chain[0]) + 80 * len(chain[1])

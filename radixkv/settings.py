@@ -1,0 +1,120 @@
+"""Settings that describe themselves: a config field carries its help text, its other keyword spellings
+(aliases) and its other flag spellings, so flags and aliases are generated from the one definition.
+
+``setting(default, help, aliases=..., flags=..., choices=...)`` declares a field of a config dataclass
+(``StackConfig``, ``EngineConfig``). ``canonical(cls, settings)`` turns the keywords a caller gave into the
+fields' own names. ``add_flags(parser, cls, ...)`` adds one flag per field, with its help and default, so a
+new field is a new flag with no other edit; ``SettingsParser`` is an ``ArgumentParser`` whose parsed
+namespace answers an alias as its field (``args.kv_cache_tokens`` is ``args.capacity_tokens``).
+
+Torch-free; O(fields) per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import MISSING, Field, field, fields
+from typing import Any
+
+
+def setting(default: Any, help: str, *, aliases: tuple[str, ...] = (), flags: tuple[str, ...] = (),
+            choices: Sequence[str] | None = None) -> Any:
+    """A dataclass field with what its flag and its keyword aliases need. ``flags`` are extra spellings of the
+    flag (vLLM's, SGLang's), after ``--name``; ``aliases`` extra keyword names; ``choices`` the values
+    it takes (names). A dict default is copied per instance."""
+    meta = {"help": help, "aliases": tuple(aliases), "flags": tuple(flags), "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def described(cls: type) -> list[Field]:
+    """The fields of ``cls`` declared with ``setting``."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def aliases(*classes: type) -> dict[str, str]:
+    """Every alias of the classes' settings -> its field's name."""
+    return {a: f.name for cls in classes for f in described(cls) for a in f.metadata["aliases"]}
+
+
+def canonical(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with each alias replaced by its field's name; ``ValueError`` for a name that is neither a
+    field of ``cls`` nor an alias, or a field given twice (by its name and an alias)."""
+    names = {f.name for f in fields(cls)}
+    spelled = aliases(cls)
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        name = spelled.get(key, key)
+        if name not in names:
+            raise ValueError(f"unknown setting {key!r}; the settings are {sorted(names)} "
+                             f"(and the aliases {sorted(spelled)})")
+        if name in out:
+            raise ValueError(f"setting {name!r} given twice (as {name!r} and its alias)")
+        out[name] = value
+    return out
+
+
+def default_of(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def optional_int(text: str) -> int | None:
+    """A flag's integer, or None spelled ``none`` (the default size; no tier)."""
+    return None if text.lower() == "none" else int(text)
+
+
+def _flag_kind(f: Field) -> dict[str, Any]:
+    """What ``add_argument`` needs for the field's type (annotations are strings here)."""
+    kind = str(f.type).replace(" ", "")
+    if kind == "bool":
+        return {"action": argparse.BooleanOptionalAction}
+    if kind.startswith("Mapping"):
+        return {"type": json.loads}
+    types = {"int": int, "int|None": optional_int, "float": float, "str": str}
+    if kind not in types:
+        raise TypeError(f"setting {f.name!r}: no flag for type {kind}")
+    return {"type": types[kind]}
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, names: Collection[str] | None = None, *,
+              skip: Collection[str] = (), defaults: Mapping[str, Any] | None = None,
+              helps: Mapping[str, str] | None = None) -> None:
+    """One flag per setting of ``cls`` (those of ``names`` if given, less ``skip``), in field order: its
+    spellings (``--name``, then ``flags``), its type, choices, help and default (``defaults`` overrides the
+    field's, ``helps`` its help for this command); the parsed value lands on the field's name."""
+    defaults, helps = defaults or {}, helps or {}
+    for f in described(cls):
+        if (names is not None and f.name not in names) or f.name in skip:
+            continue
+        spellings = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
+        options = dict(_flag_kind(f), dest=f.name, default=defaults.get(f.name, default_of(f)),
+                       help=helps.get(f.name, f.metadata["help"]))
+        if f.metadata["choices"] is not None:
+            options["choices"] = list(f.metadata["choices"])
+        parser.add_argument(*dict.fromkeys(spellings), **options)
+
+
+class SettingsNamespace(argparse.Namespace):
+    """A parsed namespace that answers an alias of a setting as the setting itself."""
+
+    ALIASES: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = type(self).ALIASES.get(name)
+        if target is None or target not in vars(self):
+            raise AttributeError(name)
+        return getattr(self, target)
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose namespace reads the aliases of ``classes``' settings (see the module)."""
+
+    def __init__(self, *args: Any, classes: Sequence[type] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.namespace_type = type("Settings", (SettingsNamespace,), {"ALIASES": aliases(*classes)})
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001 - argparse's own signature
+        return super().parse_known_args(args, self.namespace_type() if namespace is None else namespace)
