@@ -355,7 +355,7 @@ def test_remembered_key_chains_stay_within_their_byte_bound_and_change_no_key():
     rng = np.random.default_rng(0)
     for session in range(40):
         prompt = rng.integers(0, 50_000, 4_000).tolist()
-        for turn in range(3):  # each turn extends the last, as an agent's prompts do
+        for _turn in range(3):  # each turn extends the last, as an agent's prompts do
             prompt += rng.integers(0, 50_000, 500).tolist()
             assert bounded.keys(prompt, namespace=session % 3) == fresh.keys(prompt, namespace=session % 3)
             assert bounded.memo_size <= 200_000 + 8 * len(prompt) + 80 * (len(prompt) // 16)
