@@ -21,9 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from radixkv.settings import SettingsParser, add_flags
-from radixkv.stack import StackConfig
-
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
@@ -42,6 +39,9 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
     """An argument parser with the flags every experiment has (``--seed``, ``--out``); its namespace answers
     a setting's alias as the setting (``args.kv_cache_tokens`` is ``args.capacity_tokens``), and
     ``add_settings`` adds the settings' flags (``radixkv.settings``)."""
+    from radixkv.settings import SettingsParser  # here: the figures-only notebook reads common without radixkv
+    from radixkv.stack import StackConfig
+
     p = SettingsParser(description=description, formatter_class=HelpFormatter, classes=(StackConfig,))
     p.add_argument("--seed", type=int, default=0, help="seed for workloads and random policies")
     p.add_argument("--out", default=out, help="results path without extension: writes .jsonl and .png")
@@ -51,6 +51,9 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
 def add_settings(p: argparse.ArgumentParser, *names: str, **defaults) -> None:
     """The flags of these ``StackConfig`` settings, generated from their fields (help, choices, aliases), with
     this experiment's ``defaults`` where they differ from the engine's."""
+    from radixkv.settings import add_flags
+    from radixkv.stack import StackConfig
+
     add_flags(p, StackConfig, names, defaults=defaults)
 
 
@@ -58,6 +61,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     """``--max-batch-tokens`` and ``--chunked-prefill-size`` for a simulator experiment: without them every
     admitted prompt is prefilled whole in one step; with them each step is scheduled as the engine schedules
     it (its defaults are 4,096 and 1,024). ``budgets`` reads them back, ``check_budgets`` checks them."""
+    from radixkv.settings import add_flags
+    from radixkv.stack import StackConfig
+
     add_flags(p, StackConfig, ("max_batch_tokens", "chunked_prefill_size"),
               defaults={"max_batch_tokens": None, "chunked_prefill_size": None},
               helps={"max_batch_tokens": "tokens per step, as the engine's (4,096 there); unlimited when omitted",
