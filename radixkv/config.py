@@ -61,10 +61,9 @@ class EngineConfig:
 
     def __init__(self, model: str = "smollm2-135m", stack: StackConfig | None = None, **settings: Any) -> None:
         own = {f.name for f in fields(self)} - {"model", "stack"}
-        mine = {k: settings.pop(k) for k in list(settings) if k in own}
         for f in fields(self):
             if f.name in own:
-                object.__setattr__(self, f.name, mine.get(f.name, f.default))
+                object.__setattr__(self, f.name, settings.pop(f.name, f.default))
         object.__setattr__(self, "model", model)
         unknown = sorted(set(settings) - STACK_FIELDS - set(STACK_ALIASES))
         if unknown:
