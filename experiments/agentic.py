@@ -40,10 +40,10 @@ from experiments.common import environment, names_from, parser, run_cli, save_fi
 from radixkv.bounds import upper_bound
 from radixkv.cache.eviction import POLICIES as ONLINE
 from radixkv.cache.tiered import WRITE_POLICIES
+from radixkv.cost import COST_PRESETS, CostModel
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.sim.cluster import cluster_references
-from radixkv.sim.cost import COST_PRESETS, CostModel
 from radixkv.workloads import Request, agentic
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"

@@ -29,8 +29,8 @@ LIMIT_S, LIMIT_GIB = 600, 8
 
 def replay(kind: str, args: dict) -> dict:
     """One full replay in this process: its summary, seconds and peak RSS (GiB)."""
+    from radixkv.cost import CostModel
     from radixkv.sim import simulate, simulate_cluster
-    from radixkv.sim.cost import CostModel
     from radixkv.workloads import agentic
 
     t0 = time.perf_counter()

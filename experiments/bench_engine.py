@@ -53,7 +53,7 @@ from radixkv.attention import AttentionBatch
 from radixkv.config import DTYPES
 from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
 from radixkv.forward import build_forward
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.step import run_step

@@ -23,7 +23,7 @@ from experiments.common import environment, parser, run_cli, with_ext
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
 from radixkv.cpu.linear import pack_linears
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.step import run_step
 from radixkv.timing import timed

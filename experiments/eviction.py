@@ -34,8 +34,8 @@ from experiments.block_size import distinct_tokens
 from experiments.common import DEFAULT_TRACE, environment, fractions_from, names_from, parser, run_cli, save_figure
 from radixkv.bounds import upper_bound
 from radixkv.cache.eviction import POLICIES, make_policy
+from radixkv.cost import COST_PRESETS
 from radixkv.sim import CostModel, simulate
-from radixkv.sim.cost import COST_PRESETS
 
 # name -> sizes (synthetic), page / block size, device capacities: Mooncake's in tokens, the others' as fractions
 # of their distinct tokens (where LRU falls short of an unlimited cache and, mostly, of Belady).

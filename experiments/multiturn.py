@@ -35,9 +35,9 @@ from tqdm import tqdm
 from experiments.common import add_settings, environment, names_from, parser, run_cli, save_figure, table, write_rows
 from radixkv.cache import CACHES as ALL_CACHES
 from radixkv.config import EngineConfig
+from radixkv.cost import TIME_CONSTANTS
 from radixkv.settings import add_flags
 from radixkv.sim import CostModel, SimResult, simulate
-from radixkv.sim.cost import TIME_CONSTANTS
 from radixkv.workloads import Request, TokenSource
 from radixkv.workloads.request import number
 

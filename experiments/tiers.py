@@ -42,10 +42,10 @@ from experiments.common import (
     save_figure,
 )
 from radixkv.cache.tiered import WRITE_POLICIES
+from radixkv.cost import COST_PRESETS
 from radixkv.routing import ROUTERS
 from radixkv.sim import CostModel, simulate_cluster
 from radixkv.sim.cluster import cluster_references
-from radixkv.sim.cost import COST_PRESETS
 
 # name -> sizes (synthetic: routing.py's), radix page, device tokens per replica. The synthetic capacities are
 # routing.py's pooled budgets / 8 and their halvings; Mooncake's trace shares whole 512-token blocks.

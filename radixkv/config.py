@@ -9,6 +9,7 @@ from typing import Any
 
 from radixkv.attention.registry import BACKENDS, FLASHINFER_DTYPE_NAMES
 from radixkv.cache.base import CacheHints
+from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
 from radixkv.settings import aliases, setting
@@ -92,10 +93,8 @@ class EngineConfig:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         problems = self._model_problems()
-        if self.stack.storage_capacity_tokens:
-            problems.append("storage_capacity_tokens: the engine has no storage tier (the simulator's only)")
-        if self.stack.eviction_policy == "belady":
-            problems.append("eviction_policy 'belady' needs the future: the simulator's only")
+        if needs_future(self.stack.eviction_policy):
+            problems.append(f"eviction_policy {self.stack.eviction_policy!r} needs the future: the simulator's only")
         if problems:
             raise ValueError(f"invalid EngineConfig: {problems[0]} (got {self})")
 

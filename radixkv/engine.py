@@ -24,19 +24,20 @@ from numbers import Integral
 import torch
 
 from radixkv.attention import AttentionBatch
+from radixkv.cache.tiers import REPORTED
 from radixkv.checks import is_real
 from radixkv.config import EngineConfig, SamplingParams
+from radixkv.cost import CostModel, StepRecord
 from radixkv.forward import build_forward
 from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
-from radixkv.kv_transfer import KVMover
+from radixkv.kv_transfer import TierMemory
 from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import prepare_step
 from radixkv.scheduling import RequestState
-from radixkv.sim.cost import CostModel, StepRecord
 from radixkv.stack import build_stack, check_idle
 
 
@@ -123,10 +124,10 @@ class LLM:
             KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype), cfg.device)
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=cfg.kv_page_size,
                            dtype=dtype, device=cfg.device)
-        self.mover = self._host_tier(hicache_ratio)
-        self.config = cfg = self.config if self.mover is None else replace(
-            cfg, host_kv_cache_tokens=self.mover.pools["host"].num_slots)
-        stack = build_stack(cfg.stack, self.pool.num_slots, mover=self.mover)
+        self.config = cfg = self._host_sized(hicache_ratio)
+        self.memory = TierMemory(self.pool)  # each lower tier's KV buffer, made as build_stack builds the tier
+        stack = build_stack(cfg.stack, self.pool.num_slots, memory=self.memory)
+        self.mover = self.memory.mover()
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
         self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend,
@@ -140,21 +141,16 @@ class LLM:
         self._cost = CostModel()  # the CPU calibration preset: what ``saved_prefill_s`` is priced at
         self.scheduler.on_first_admit = self._count_saved
 
-    def _host_tier(self, ratio: float | None) -> KVMover | None:
-        """A host tier's buffer (pinned beside a CUDA pool) and the mover of copies to and from it: of
-        ``host_kv_cache_tokens``, or ``ratio`` x the device pool (SGLang's ``--hicache-ratio``); None without."""
+    def _host_sized(self, ratio: float | None) -> EngineConfig:
+        """The config with the host tier at ``ratio`` x the device pool (SGLang's ``--hicache-ratio``), when given
+        in place of ``host_kv_cache_tokens``."""
         tokens = self.config.host_kv_cache_tokens
-        if ratio is not None:
-            if tokens or not (is_real(ratio) and ratio > 0):
-                raise ValueError(f"hicache_ratio must be a number > 0, and not given with host_kv_cache_tokens "
-                                 f"(got {ratio!r}, {tokens!r})")
-            tokens = max(int(ratio * self.pool.num_slots), self.pool.page_size)
-        if not tokens:
-            return None
-        pool = self.pool
-        host = KVPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, num_slots=tokens, page_size=pool.page_size,
-                      dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
-        return KVMover(pool, host)
+        if ratio is None:
+            return self.config
+        if tokens or not (is_real(ratio) and ratio > 0):
+            raise ValueError(f"hicache_ratio must be a number > 0, and not given with host_kv_cache_tokens "
+                             f"(got {ratio!r}, {tokens!r})")
+        return replace(self.config, host_kv_cache_tokens=max(int(ratio * self.pool.num_slots), self.pool.page_size))
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -202,8 +198,7 @@ class LLM:
         try:
             with deferred_interrupts():  # a Ctrl-C here is raised after the books are whole again
                 batch = self.scheduler.schedule()
-            if self.mover is not None:
-                self.mover.wait()  # loads land before attention reads them
+            self.mover.wait()  # loads land before attention reads them
             if not batch:
                 if self.waiting or self.running:
                     raise EngineStalledError(self._stalled())
@@ -225,8 +220,7 @@ class LLM:
         self._stats["saved_prefill_s"] += self._cost.saved_prefill_time(len(s.prompt), s.hit)
 
     def _record(self, seconds: float, model_s: float, ab: AttentionBatch, prefill_rows: list[bool]) -> None:
-        if self.mover is not None:
-            self.cache.take_copies()  # done already (the mover ran each); the counters keep the totals
+        self.cache.take_copies()  # done already (the mover ran each); the counters keep the totals
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
@@ -294,14 +288,19 @@ class LLM:
         """One conversation's prompt token ids through the chat template (``ValueError`` for bad messages)."""
         return self.prompts.chat_prompt(conv)
 
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers hits are reported by: the device and the host tier always, then any other lower tier."""
+        return list(dict.fromkeys([*REPORTED, *(t.name for t in self.cache.tiers)]))
+
     def stats(self) -> dict:
         """Hit rate (cached / prompt tokens at admission), tokens computed, evictions, preemptions, and time.
 
         ``evictions`` counts the times memory pressure made the cache give up
         slots, ``evicted_tokens`` the slots it gave up.
 
-        ``hit_tokens_by_tier`` splits the cached tokens by the tier they came from (``device``, ``host``);
-        ``loaded_tokens`` counts tokens copied host -> device, ``written_tokens`` device -> host.
+        ``hit_tokens_by_tier`` splits the cached tokens by the tier they came from (``tier_names``);
+        ``loaded_tokens`` counts tokens copied from the lower tiers into the device, ``written_tokens`` down.
 
         ``step_s`` is the time spent in ``step()``, ``model_s`` the part of it in
         the model's forward; ``overhead_share`` = 1 - model_s / step_s is the
@@ -314,10 +313,9 @@ class LLM:
         s = self.scheduler.stats | self._stats
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
         tiers = self.scheduler.hit_by_tier
-        s["hit_tokens_by_tier"] = {"device": tiers.get("device", 0), "host": tiers.get("host", 0)}
-        tiered = self.mover is not None
-        s["loaded_tokens"] = sum(self.cache.loaded_tokens.values()) if tiered else 0
-        s["written_tokens"] = sum(self.cache.written_tokens.values()) if tiered else 0
+        s["hit_tokens_by_tier"] = {name: tiers.get(name, 0) for name in self.tier_names}
+        s["loaded_tokens"] = sum(self.cache.loaded_tokens.values())
+        s["written_tokens"] = sum(self.cache.written_tokens.values())
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
         return s
 
@@ -349,7 +347,7 @@ class LLM:
                 "evictable_size": c.evictable_size, "protected_size": c.protected_size,
                 "free_slots": self.allocator.num_free, "capacity": self.allocator.capacity,
                 "tiers": {t.name: {"total_size": t.cache.total_size, "capacity": t.allocator.capacity}
-                          for t in getattr(c, "tiers", ())},
+                          for t in c.tiers},
                 "invariants_hold": ok, "problem": problem}
 
     def reset_stats(self) -> None:
@@ -357,9 +355,7 @@ class LLM:
         self._stats = {k: type(v)() for k, v in self._stats.items()}
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
         self.scheduler.hit_by_tier = {}
-        if self.mover is not None:
-            self.cache.loaded_tokens = dict.fromkeys(self.cache.loaded_tokens, 0)
-            self.cache.written_tokens = dict.fromkeys(self.cache.written_tokens, 0)
+        self.cache.reset_transfer_counts()
         self.step_log = []
 
     def check_idle(self) -> None:

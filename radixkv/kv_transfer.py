@@ -1,4 +1,6 @@
-"""``KVMover``: real copies between the device's KV pool and a host tier's (``radixkv.cache.tiered.Copy``).
+"""The engine's real memory per tier: ``TierMemory`` makes each lower tier's KV buffer (pinned host memory
+beside a CUDA pool, a file mapped from disk for storage), and ``KVMover`` runs each copy between them
+(``radixkv.cache.tiered.Copy``).
 
 On a CPU a copy is an indexed gather and scatter, done when the call returns. Beside a CUDA device the host
 pool is pinned and copies run on a side stream:
@@ -13,24 +15,32 @@ pool is pinned and copies run on a side stream:
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 
-from radixkv.cache.tiered import Copy
+from radixkv.cache.tiers import DEVICE, HOST, STORAGE, Copy, TierSpec
 from radixkv.memory.kv_pool import KVPool
 
 
 class KVMover:
-    """Runs ``Copy`` records between ``device`` (the engine's pool) and ``host`` (a pool of the same layout).
+    """Runs ``Copy`` records between the tiers' pools (``pools``: tier name -> ``KVPool``, the device's the
+    engine's; or a device pool and a host pool), all of one layout.
 
     Bit for bit: K and V move in the pools' own dtype, every layer at once (``KVPool.gather`` / ``scatter``).
     O(layers x tokens) bytes per copy.
     """
 
-    def __init__(self, device: KVPool, host: KVPool):
-        same = (device.num_layers, device.num_kv_heads, device.head_dim, device.page_size, device.dtype)
-        if same != (host.num_layers, host.num_kv_heads, host.head_dim, host.page_size, host.dtype):
-            raise ValueError(f"the host pool {host!r} does not match the device pool {device!r}")
-        self.pools = {"device": device, "host": host}
+    def __init__(self, pools: dict[str, KVPool] | KVPool, host: KVPool | None = None):
+        if isinstance(pools, KVPool):  # KVMover(device, host): the two-tier spelling
+            pools = {DEVICE: pools, HOST: host}
+        device = pools[DEVICE]
+        for pool in pools.values():
+            same = (device.num_layers, device.num_kv_heads, device.head_dim, device.page_size, device.dtype)
+            if same != (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.dtype):
+                raise ValueError(f"the pool {pool!r} does not match the device pool {device!r}")
+        self.pools = pools
         self.stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None
 
     def __call__(self, copy: Copy) -> None:
@@ -60,3 +70,39 @@ class KVMover:
 
 def _index(slots, pool: KVPool) -> torch.Tensor:
     return torch.as_tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
+
+
+class TierMemory:
+    """The engine's KV memory by tier: ``device``, the pool the model attends from, and a buffer per lower tier
+    (``buffer``), the layout of the device's: pinned host memory beside a CUDA pool, plain memory on a CPU, and
+    for the storage tier a file of ``directory`` (a temporary one by default, removed once mapped: the mapping
+    lives as long as the pool). ``mover`` runs copies among all of them."""
+
+    def __init__(self, device: KVPool, directory: str | None = None):
+        self.pools = {DEVICE: device}
+        self.directory = directory
+        self._mover: KVMover | None = None
+
+    def buffer(self, spec: TierSpec) -> KVPool:
+        """A zeroed KV buffer of ``spec.tokens`` slots for that tier, kept in ``pools``."""
+        d = self.pools[DEVICE]
+        layout = dict(num_slots=spec.tokens, page_size=d.page_size, dtype=d.dtype)
+        if spec.name == STORAGE:
+            fd, path = tempfile.mkstemp(prefix="radixkv-storage-", suffix=".kv", dir=self.directory)
+            os.close(fd)
+            os.unlink(path)  # from_file creates it anew
+            try:
+                pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, file=path)
+            finally:
+                if os.path.exists(path):
+                    os.unlink(path)  # mapped: nothing is left on disk once the engine goes
+        else:
+            pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, pin_memory=d.device.type == "cuda")
+        self.pools[spec.name] = pool
+        return pool
+
+    def mover(self) -> KVMover:
+        """The one mover of copies among every buffer made so far (made at the first call: build the tiers first)."""
+        if self._mover is None:
+            self._mover = KVMover(self.pools)
+        return self._mover

@@ -26,7 +26,7 @@ from radixkv.routing import ROUTERS as ROUTER_NAMES
 from radixkv.settings import SettingsParser, add_flags, described
 from radixkv.stack import StackConfig
 
-ENGINE_SKIP = ("model", "prefix_cache", "record_steps", "storage_capacity_tokens")  # positional; given below
+ENGINE_SKIP = ("model", "prefix_cache", "record_steps")  # positional; given below
 # beside vLLM's switch; the engine's calibration log; a tier only the simulator has
 
 

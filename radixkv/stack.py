@@ -24,11 +24,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from radixkv.cache.base import PrefixCache
-from radixkv.cache.eviction import POLICIES as EVICTION_POLICIES
-from radixkv.cache.eviction import make_policy as make_policy_named
+from radixkv.cache.eviction import EVERY_POLICY as EVICTION_POLICIES
+from radixkv.cache.eviction import POLICIES as ONLINE_POLICIES
+from radixkv.cache.eviction import check_params, needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
-from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
+from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
+from radixkv.cache.tiers import TierSpec, lower_tiers
 from radixkv.checks import is_int
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
@@ -46,7 +48,7 @@ class StackConfig:
     ``capacity_tokens``: the KV budget (None: the engine sizes it from free memory, the simulator makes room
     for every token). ``in_batch_sharing``: SGLang's in-batch prefix caching threshold in tokens (0: off).
     ``max_batch_tokens`` / ``chunked_prefill_size``: tokens per step and per prefill chunk (None: no limit).
-    ``eviction_policy`` takes ``belady`` too where the caller supplies the future (the simulator);
+    ``eviction_policy`` may be one that ``needs_future`` where the caller supplies it (the simulator);
     ``eviction_params`` are the policy's parameters (``radixkv.cache.eviction``), for every tier.
     ``host_capacity_tokens`` / ``storage_capacity_tokens`` put lower tiers below a radix or hash cache (None
     or 0: none), copied down under ``write_policy`` (``write_threshold`` hits for the selective one); see
@@ -62,7 +64,7 @@ class StackConfig:
     page_size: int = setting(1, "radix cache: tokens per KV page (a node holds whole pages)")
     block_size: int = setting(16, "hash / hash-v0 caches: tokens per hashed block (also their KV page)")
     eviction_policy: str = setting("lru", "which unreferenced cache entries go first under memory pressure",
-                                   flags=("--radix-eviction-policy",), choices=sorted(EVICTION_POLICIES))
+                                   flags=("--radix-eviction-policy",), choices=sorted(ONLINE_POLICIES))
     eviction_params: Mapping[str, Any] = setting(
         {}, 'the eviction policy\'s parameters (JSON on a command line, e.g. \'{"ttl": 60}\' for ttl; '
             'docs/eviction.md)')
@@ -103,8 +105,8 @@ class StackConfig:
             return wrong
         checks = [
             (self.prefix_cache in CACHES, f"prefix_cache must be one of {CACHES}"),
-            (self.eviction_policy in (*EVICTION_POLICIES, "belady"),
-             f"eviction_policy must be one of {sorted(EVICTION_POLICIES)} (or belady, in the simulator)"),
+            (self.eviction_policy in EVICTION_POLICIES,
+             f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}"),
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
             (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),
             (all(getattr(self, n) is None or getattr(self, n) >= 1 for n in budgets),
@@ -116,26 +118,28 @@ class StackConfig:
             (self.write_threshold >= 1, "write_threshold must be >= 1"),
             (not self.tiered or self.prefix_cache in TIERED_CACHES,
              f"host and storage tiers work with the caches {TIERED_CACHES}"),
-            (not self.tiered or self.eviction_policy != "belady", "tiers take an online eviction_policy"),
+            (not self.tiered or not needs_future(self.eviction_policy),
+             "tiers take an online eviction_policy (one that needs no future)"),
         ]
         return [message for ok, message in checks if not ok] + self._policy_problems()
 
     def _policy_problems(self) -> list[str]:
-        """What ``make_policy`` says of the eviction policy's parameters (belady takes none)."""
+        """What the eviction policy says of its parameters (``check_params``)."""
         if not isinstance(self.eviction_params, Mapping):
             return [f"eviction_params must be a mapping of parameter names, got {self.eviction_params!r}"]
-        if self.eviction_policy == "belady" or self.eviction_policy not in EVICTION_POLICIES:
-            return ["belady takes no eviction_params"] if self.eviction_params else []
-        try:
-            make_policy_named(self.eviction_policy, **self.eviction_params)
-        except ValueError as e:
-            return [str(e)]
-        return []
+        if self.eviction_policy not in EVICTION_POLICIES:
+            return []
+        return check_params(self.eviction_policy, dict(self.eviction_params))
+
+    @property
+    def tiers(self) -> list[TierSpec]:
+        """The memory below the device's cache, nearest first: a ``TierSpec`` per host or storage capacity."""
+        return lower_tiers(self.host_capacity_tokens, self.storage_capacity_tokens, self.write_policy)
 
     @property
     def tiered(self) -> bool:
-        """Whether a host or storage tier sits below the device's cache."""
-        return bool(self.host_capacity_tokens or self.storage_capacity_tokens)
+        """Whether any tier sits below the device's cache."""
+        return bool(self.tiers)
 
     @property
     def kv_page_size(self) -> int:
@@ -174,27 +178,29 @@ class Stack:
     cache: PrefixCache
     allocator: SlotAllocator
     scheduler: Scheduler
+    future: Any = None  # what a policy that needs the future was handed; its user marks requests served
 
 
 def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = None,
                 whole_kv: Callable[[RequestState], int] | None = None, storage: Tier | None = None,
-                worth_loading: Callable[[str, int, int], bool] | None = None,
-                mover: Callable[[Copy], None] | None = None, **cache_options: Any) -> Stack:
-    """The cache (``cache`` if given, else ``make_cache`` from ``config`` with ``cache_options``, e.g. the
-    simulator's ``future`` for Belady), an allocator of ``slots`` at the cache's page, and a scheduler with
+                worth_loading: Callable[[str, int, int], bool] | None = None, memory: Any = None,
+                future: Any = None) -> Stack:
+    """The cache (``cache`` if given, else ``make_cache`` from ``config``, handing ``future`` to a policy that
+    needs it: the simulator's), an allocator of ``slots`` at the cache's page, and a scheduler with
     ``config``'s policy and budgets; ``whole_kv`` reserves each request's whole KV at admission (see
-    ``Scheduler``). With a host or storage capacity the cache is a ``TieredCache`` over a host tier and a
-    storage tier (``storage`` if given: a store several replicas share), with ``worth_loading`` and
-    ``mover`` (see ``TieredCache``)."""
+    ``Scheduler``). Each of ``config.tiers`` is built whole (``lower_tier``): its cache, its allocator and,
+    with ``memory`` (the engine's ``TierMemory``), its KV buffer, and the cache becomes a ``TieredCache`` over
+    them, with ``worth_loading`` and ``memory``'s mover (see ``TieredCache``); ``storage``: a built store in
+    place of the storage spec's (one several replicas share)."""
     prefix_cache = cache if cache is not None else make_cache(
         config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
-        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params, **cache_options)
-    if cache is None and config.tiered:
-        tiers = [lower_tier(config, "host", config.host_capacity_tokens)] if config.host_capacity_tokens else []
-        if storage is None and config.storage_capacity_tokens:
-            storage = lower_tier(config, "storage", config.storage_capacity_tokens)
-        prefix_cache = TieredCache(prefix_cache, tiers + ([storage] if storage is not None else []),
-                                   config.write_policy, config.write_threshold, worth_loading, mover)
+        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params, future=future)
+    if cache is None and config.tiers:
+        tiers = [storage if storage is not None and spec.name == storage.name else lower_tier(config, spec, memory)
+                 for spec in config.tiers]
+        prefix_cache = TieredCache(prefix_cache, tiers,
+                                   config.write_policy, config.write_threshold, worth_loading,
+                                   None if memory is None else memory.mover())
     page = prefix_cache.page_size  # the granularity every cache exposes: its whole pages or blocks
     # in-batch sharing never applies without a prefix cache: holding requests back for one only delays them
     sharing = 0 if isinstance(prefix_cache, NoPrefixCache) else config.in_batch_sharing
@@ -203,15 +209,16 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     budget, chunk = (math.inf if v is None else int(v) for v in (config.max_batch_tokens, config.chunked_prefill_size))
     scheduler = Scheduler(prefix_cache, allocator, policy, max_running=config.max_running, max_batch_tokens=budget,
                           chunked_prefill_size=chunk, whole_kv=whole_kv)
-    return Stack(prefix_cache, allocator, scheduler)
+    return Stack(prefix_cache, allocator, scheduler, future)
 
 
-def lower_tier(config: StackConfig, name: str, capacity_tokens: int, shared: bool = False) -> Tier:
-    """A host or storage tier for ``config``'s cache: the same kind, page and eviction policy (a policy of its
-    own), ``capacity_tokens`` slots."""
+def lower_tier(config: StackConfig, spec: TierSpec, memory: Any = None) -> Tier:
+    """The tier ``spec`` describes, whole, below ``config``'s cache: a cache of the same kind, page and eviction
+    policy (a policy of its own) over ``spec.tokens`` slots, and with ``memory`` (the engine's) its KV buffer."""
     cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
                        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params)
-    return Tier(name, cache, SlotAllocator(capacity_tokens, page_size=cache.page_size), shared)
+    return Tier(spec.name, cache, SlotAllocator(spec.tokens, page_size=cache.page_size), spec.shared,
+                None if memory is None else memory.buffer(spec))
 
 
 def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
@@ -221,7 +228,7 @@ def check_idle(cache: PrefixCache, allocator: SlotAllocator) -> None:
     allocator.check_invariants()
     if cache.protected_size:
         raise AssertionError(f"idle but {cache.protected_size} cached tokens are still locked")
-    for tier in getattr(cache, "tiers", ()):  # a tiered cache's lower tiers hold locks only while a load reads
+    for tier in cache.tiers:  # lower tiers hold locks only while a load reads them
         if tier.cache.protected_size and not tier.shared:
             raise AssertionError(f"idle but {tier.cache.protected_size} tokens of tier {tier.name!r} are locked")
     held = allocator.num_free + cache.evictable_size

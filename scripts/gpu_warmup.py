@@ -87,7 +87,7 @@ def warm(dtype_name: str, head_dim: int) -> list[str]:
     import torch
 
     from radixkv.attention import AttentionBatch, make_backend
-    from radixkv.kv_pool import KVPool
+    from radixkv.memory.kv_pool import KVPool
 
     dtype = getattr(torch, dtype_name)
     pool = KVPool(1, NUM_KV_HEADS, head_dim, num_slots=4096, page_size=PAGE_SIZE, dtype=dtype, device="cuda")

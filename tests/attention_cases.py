@@ -19,7 +19,7 @@ import torch
 
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 ROUNDING_UNITS = 10  # the bound, in units of u * (|o| + 1); rounding reaches at most 2 of them

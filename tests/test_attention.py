@@ -13,7 +13,7 @@ from attention_cases import dense_attention, make_case
 
 from radixkv.attention import AttentionBatch, TorchReferenceBackend, make_backend
 from radixkv.attention.flashinfer_backend import page_table
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 CASES = {
     "prefill without prefix": ([0], [7]),
@@ -188,7 +188,7 @@ def test_only_auto_and_cpu_load_the_cpu_speed_path(backend, loads_cpu_path):
         import torch
         from radixkv import LLM, SamplingParams
         from radixkv.attention import AttentionBatch
-        from radixkv.kv_pool import KVPool
+        from radixkv.memory.kv_pool import KVPool
         from radixkv.model import load_model
         from radixkv.forward import build_forward
         from radixkv.model.step import run_step

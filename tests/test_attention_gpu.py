@@ -21,7 +21,7 @@ from radixkv.attention import (
     flashinfer_unavailable_reason,
     make_backend,
 )
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model.loader import TINY_CONFIG
 
 NO_GPU = "needs CUDA" if not torch.cuda.is_available() else (

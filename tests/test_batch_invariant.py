@@ -94,7 +94,7 @@ def test_resumed_prompt_recomputes_its_last_token_with_the_prefill_kernel(avx2_k
     """The batch-invariant cpu backend's last row of a prompt: the same output computed in its prompt's chunk or
     alone (on an AMX CPU too, where the default prefill is a cascade split where the cached prefix ends)."""
     from radixkv.cpu import CpuPagedBackend
-    from radixkv.kv_pool import KVPool
+    from radixkv.memory.kv_pool import KVPool
 
     torch.manual_seed(0)
     pool = KVPool(1, 2, 64, num_slots=512, dtype=torch.bfloat16)

@@ -19,8 +19,9 @@ import pytest
 import radixkv.cache.radix as radix_module
 from radixkv import HashBlockCache, HashV0Cache, NoPrefixCache, OutOfSlotsError, RadixCache, SlotAllocator
 from radixkv.cache import events
-from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from radixkv.cache.eviction.belady import Belady
+from radixkv.cache.future import FutureUses
 from radixkv.cache.lifecycle import commit_prefix, release_sequence, serve_once
 from radixkv.routing.kv_index import KVEventIndex
 
@@ -378,7 +379,7 @@ def test_hash_v0_stranding_and_revival_agree_with_the_index():
 
 def test_belady_tree_emits_like_the_radix_tree():
     seqs = [np.arange(6), np.array([0, 1, 9, 9])]
-    cache = BeladyRadixCache(FutureUses([(s, None) for s in seqs]), page_size=1)
+    cache = RadixCache(page_size=1, eviction_policy=Belady(FutureUses([(s, None) for s in seqs])))
     index = KVEventIndex(1)
     cache.listener = lambda event: index.apply(0, event)
     for i, s in enumerate(seqs):

@@ -133,7 +133,7 @@ def test_served_model_from_q4_1_decodes_the_same_bits_with_codes(avx2_kernels, t
     from radixkv.attention import AttentionBatch, make_backend
     from radixkv.cpu.fused import FusedLlama
     from radixkv.cpu.linear import PackedLinear, pack_linears
-    from radixkv.kv_pool import KVPool
+    from radixkv.memory.kv_pool import KVPool
     from radixkv.model import load_model
     from radixkv.model.step import run_step
 
@@ -199,7 +199,7 @@ def test_smollm2_gets_codes_for_every_layer_and_decodes_the_same_bits(avx2_kerne
     from radixkv.attention import AttentionBatch, make_backend
     from radixkv.cpu import fused_forward
     from radixkv.cpu.linear import PackedLinear, pack_linears
-    from radixkv.kv_pool import KVPool
+    from radixkv.memory.kv_pool import KVPool
     from radixkv.model import load_model
     from radixkv.model.step import run_step
 

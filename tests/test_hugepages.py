@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixkv.cpu import hugepages
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

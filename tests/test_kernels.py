@@ -15,7 +15,7 @@ from attention_cases import dense_attention, make_case
 
 from radixkv import LLM, SamplingParams
 from radixkv.attention import AttentionBatch, TorchReferenceBackend, make_backend
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 CASES = {
     "prefill without prefix": ([0], [7]),

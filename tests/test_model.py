@@ -10,7 +10,7 @@ import torch
 
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch, TorchReferenceBackend
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
 from radixkv.model.step import run_step
 

@@ -93,10 +93,9 @@ def test_every_engine_setting_is_a_serve_flag_and_reaches_llm_unchanged():
             config.batch_invariant) == ("write_back", 5, 777, "lfu", True)
 
 
-def test_unknown_settings_and_the_engines_missing_storage_tier_are_clear_errors():
+def test_unknown_settings_are_clear_errors_and_the_engine_takes_a_storage_tier():
     with pytest.raises(ValueError, match="unknown settings.*kv_cach_tokens"):
         EngineConfig(kv_cach_tokens=4)
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         settings_from(StackConfig(), nope=1)
-    with pytest.raises(ValueError, match="no storage tier"):
-        EngineConfig(storage_capacity_tokens=4096)
+    assert [t.name for t in EngineConfig(storage_capacity_tokens=4096).stack.tiers] == ["storage"]

@@ -382,7 +382,7 @@ def test_an_int_too_large_for_a_float_is_a_bad_value_not_an_overflow():
 
 
 def test_cost_model_fit_recovers_known_constants():
-    from radixkv.model.step import StepRecord
+    from radixkv.cost import StepRecord
     from radixkv.sim import CostModel
 
     true = CostModel(prefill_per_token=4e-4, attention_per_pair=3e-8, decode_step=0.02, decode_per_seq=0.003,

@@ -124,3 +124,13 @@ def test_metrics_count_hits_per_tier():
     assert m[("radixkv:prefix_cache_hits_by_tier_total", "host")] == len(first) - 1
     assert m[("radixkv:prefix_cache_hits_by_tier_total", "device")] == m[("radixkv:prefix_cache_hits_total", None)] \
         - (len(first) - 1)
+
+
+def test_a_storage_tier_below_the_host_serves_the_same_outputs_from_a_file():
+    small, stats, llm = serve(kv_cache_tokens=384, host_kv_cache_tokens=512, storage_capacity_tokens=4096)
+    big, _, _ = serve(kv_cache_tokens=384 + 4096)
+    assert small == big
+    assert [t.name for t in llm.cache.tiers] == ["host", "storage"]
+    by_tier = stats["hit_tokens_by_tier"]
+    assert sum(by_tier.values()) == stats["cached_tokens"] and by_tier["storage"] > 0
+    assert llm.cache_state()["tiers"]["storage"]["capacity"] == 4096

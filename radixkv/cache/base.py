@@ -9,7 +9,7 @@ experiment swaps caches by changing one constructor argument.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -87,10 +87,25 @@ class PrefixCache(Protocol):
 
     ``listener`` (None by default, kept across ``reset``) is called with a :mod:`radixkv.cache.events` event
     each time blocks join the cache, leave it, or all go at once; with None the cache builds no event.
+
+    ``page_size``: the slots of one KV page, the granularity of matches and of the caller's allocator.
+    ``evict(n, victims, demoted_only)`` also records each removed entry (``Evicted``) and can stop at the
+    first entry that was not ``demote``d (ranked first: a lower tier's copy of what a nearer tier holds).
+
+    Every cache is one with zero or more lower tiers (:mod:`radixkv.cache.tiers`): ``tiers``, ``plan_load`` /
+    ``load`` / ``cancel`` (extend a device match from them), ``admitted`` (a request reused a match, for
+    write policies that count reuses), ``take_copies`` (the copies made since the last call),
+    ``loaded_tokens`` / ``written_tokens`` / ``reset_transfer_counts`` (tokens moved per tier) and ``flush``
+    (drop everything no request holds). With no lower tier they load, copy and count nothing. The contract of
+    each member: ``docs/cache_semantics.md``.
     """
 
     caches_during_decode: bool
     listener: CacheListener | None
+    page_size: int
+    tiers: Sequence[Any]
+    loaded_tokens: dict[str, int]
+    written_tokens: dict[str, int]
 
     clock: Callable[[], float]
 
@@ -104,7 +119,26 @@ class PrefixCache(Protocol):
 
     def unlock(self, node: Any) -> None: ...
 
-    def evict(self, num_tokens: int) -> np.ndarray: ...
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None, demoted_only: bool = False
+              ) -> np.ndarray: ...
+
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int: ...
+
+    def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
+                  hints: CacheHints = NO_HINTS) -> Any: ...
+
+    def load(self, plan: Any, slots: np.ndarray) -> MatchResult: ...
+
+    def cancel(self, plan: Any) -> None: ...
+
+    def admitted(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
+                 hints: CacheHints = NO_HINTS) -> None: ...
+
+    def take_copies(self) -> list[Any]: ...
+
+    def reset_transfer_counts(self) -> None: ...
+
+    def flush(self, allocator: Any) -> int: ...
 
     def cacheable_length(self, num_tokens: int) -> int: ...
 

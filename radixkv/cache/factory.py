@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from radixkv.cache.base import PrefixCache
-from radixkv.cache.belady import BeladyRadixCache, FutureUses
 from radixkv.cache.eviction import make_policy
 from radixkv.cache.hash_block import HashBlockCache
 from radixkv.cache.hash_v0 import HashV0Cache
@@ -23,26 +22,19 @@ def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_
     whose only policy is ``lru``: v0's evictor) or ``none`` (``NoPrefixCache``, which takes nothing).
 
     ``page_size`` is the radix tree's granularity (tokens per KV page it matches in) and ``block_size`` the
-    hash caches' (tokens per hashed block); each cache reads its own. ``eviction_policy="belady"`` is the
-    clairvoyant reference, radix only, and needs ``future=FutureUses(...)`` (what the simulator knows of the
+    hash caches' (tokens per hashed block); each cache reads its own. A policy that ``needs_future`` (the
+    clairvoyant reference, radix only) is handed ``future=FutureUses(...)`` (what the simulator knows of the
     arrivals). ``eviction_params`` are the policy's parameters (``make_policy(eviction_policy, **params)``,
     :mod:`radixkv.cache.eviction`). Unknown names, options, policies and parameters raise ``ValueError``.
     """
     if name not in CACHES:
         raise ValueError(f"unknown cache {name!r}; choose one of {list(CACHES)}")
-    future = options.pop("future", None)
+    future = options.pop("future", None)  # for a policy that needs_future
     if options:
         raise ValueError(f"make_cache({name!r}) takes no options {sorted(options)}")
-    if eviction_policy == "belady":
-        if name != "radix" or not isinstance(future, FutureUses):
-            raise ValueError("eviction_policy='belady' is implemented for the radix cache only, and needs "
-                             "future=FutureUses(...) (the requests' future uses)")
-        return BeladyRadixCache(future, page_size=page_size)
-    if future is not None:
-        raise ValueError("future= applies to eviction_policy='belady' only")
     params = dict(eviction_params or {})
     if name in ("radix", "hash"):
-        policy = make_policy(eviction_policy, **params)
+        policy = make_policy(eviction_policy, future, **params)
         if name == "radix":
             return RadixCache(page_size=page_size, eviction_policy=policy)
         return HashBlockCache(block_size=block_size, eviction_policy=policy)

@@ -47,13 +47,14 @@ from radixkv.cache.free_queue import FreeQueue, PolicyFreeQueue
 from radixkv.cache.hash_block_checks import check_children_first, check_lock_counts, check_tree
 from radixkv.cache.invariants import requirer
 from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
+from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _LOCK_COUNT = attrgetter("lock_count")
 _HAS_CHILDREN = attrgetter("num_children")
 
 
-class HashBlockCache:
+class HashBlockCache(Untiered):
     """Prefix cache of full KV blocks keyed by chained block hashes (vLLM's APC).
 
     Args:
@@ -109,7 +110,7 @@ class HashBlockCache:
         self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
         self.policy.reset()
-        if type(self.policy) is EvictionPolicy:  # lru: vLLM's release-order queue
+        if self.policy.release_order:  # lru: vLLM's release-order queue
             self._queue: FreeQueue | PolicyFreeQueue = FreeQueue()
         else:  # ranks by the blocks' own statistics: it must pass over a block whose children are cached
             self._queue = PolicyFreeQueue(self.policy, waits=_HAS_CHILDREN)

@@ -61,6 +61,7 @@ from radixkv.cache.base import NO_HINTS, CacheHints, LockError, MatchResult, Tok
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
 from radixkv.cache.invariants import requirer
 from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
+from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -106,7 +107,7 @@ class V0Chain(NamedTuple):
     owner: Any = None
 
 
-class HashV0Cache:
+class HashV0Cache(Untiered):
     """Prefix cache of full blocks keyed by hashes of whole prefixes, with v0's LRU evictor.
 
     Args:
@@ -298,13 +299,20 @@ class HashV0Cache:
         self._clock += 1
         self._touch(blocks)
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """v0's evictor has no demotion: nothing moves (0 tokens)."""
+        return 0
+
+    def evict(self, num_tokens: int, victims: list | None = None, demoted_only: bool = False) -> np.ndarray:
         """Free spare slots, then unlocked blocks in v0's order, until ``num_tokens`` are freed or none is left.
 
         v0's order: least recently accessed first, ties to the most hashed
         tokens. A parent may leave before its child (see the module docs).
-        Returns the freed slots; the caller gives them back. O(k log n) amortized.
+        Returns the freed slots; the caller gives them back. O(k log n) amortized. v0 keeps no prefix chains
+        and demotes nothing, so it serves in no tier: ``victims`` and ``demoted_only`` raise ``ValueError``.
         """
+        if victims is not None or demoted_only:
+            raise ValueError("hash-v0 records no evicted prefixes and demotes nothing: it cannot sit in a tier")
         freed, count = [], 0
         while self._spare and count < num_tokens:
             slots = self._spare.pop()

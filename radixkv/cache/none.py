@@ -11,11 +11,12 @@ import numpy as np
 from radixkv.cache.base import NO_HINTS, CacheHints, MatchResult, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
 from radixkv.cache.render import empty_tree
+from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-class NoPrefixCache:
+class NoPrefixCache(Untiered):
     """Never matches and stores nothing, behind the same surface as the real caches.
 
     ``insert`` returns 0 and keeps no slot (``cacheable_length`` is 0), so the
@@ -55,8 +56,11 @@ class NoPrefixCache:
     def unlock(self, node: Any) -> None:
         """Nothing to unlock."""
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def evict(self, num_tokens: int, victims: list | None = None, demoted_only: bool = False) -> np.ndarray:
         return _EMPTY.copy()
+
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        return 0
 
     def held_slots(self) -> np.ndarray:
         return _EMPTY.copy()

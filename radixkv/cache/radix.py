@@ -26,7 +26,7 @@ Design notes, because they decide the speed:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,28 +41,27 @@ from radixkv.cache.base import (
     as_token_array,
 )
 from radixkv.cache.events import AllBlocksCleared, CacheListener
-from radixkv.cache.eviction import EvictionPolicy, PriorityPolicy, make_policy, policy_clock
+from radixkv.cache.eviction import EvictionPolicy, make_policy, policy_clock
 from radixkv.cache.radix_checks import check_tree
 from radixkv.cache.radix_events import removed, stored
 from radixkv.cache.radix_node import RadixNode
 from radixkv.cache.render import empty_tree
+from radixkv.cache.tiers import Untiered
 
 _ITEM = 8  # bytes per token id (int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-class RadixCache:
+class RadixCache(Untiered):
     """Token-level radix tree mapping token prefixes to KV slot indices.
 
     Args:
         page_size: slots (tokens) per KV page, the unit the tree matches in: matches and inserts are
             rounded down to whole pages, and edges always hold whole pages.
         eviction_policy: a policy name of :mod:`radixkv.cache.eviction` (``lru`` by default) or a fresh
-            ``EvictionPolicy`` (``make_policy(name, **params)``), which orders the unlocked leaves.
-        priority: the eviction priority of a leaf (smallest evicted first) in place of a policy, which
-            ``eviction_policy`` then only names (``BeladyRadixCache`` passes its clairvoyant one). It is called
-            with the leaf whenever it becomes an eviction candidate and whenever a match, insert or split
-            touches it while it is one, so it may read the leaf's place in the tree; its cost adds to those.
+            ``EvictionPolicy`` (``make_policy(name, **params)``), which orders the unlocked leaves. A leaf is
+            pushed whenever it becomes a candidate and whenever a match, insert or split touches it while it
+            is one, so a priority may read the leaf's place in the tree (the clairvoyant one does).
 
     Costs (n = tokens in the query, d = depth of the matched path, N = nodes in the tree):
     ``match_prefix`` and ``insert`` are O(n) memcmp work plus O(d) Python steps, never a Python loop over
@@ -84,14 +83,13 @@ class RadixCache:
 
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
-    def __init__(self, page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
-                 priority: Callable[[RadixNode], float] | None = None):
+    def __init__(self, page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru"):
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         self.page_size = int(page_size)
-        policy = make_policy(eviction_policy) if priority is None else PriorityPolicy(eviction_policy, priority)
-        self.policy = policy.bind(self)
-        self.eviction_policy = policy.name
+        self.policy = make_policy(eviction_policy).bind(self)
+        self.eviction_policy = self.policy.name
+        self._observes = self.policy.observes  # read on every match, insert and eviction
         self._page_bytes = _ITEM * self.page_size
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
@@ -106,6 +104,7 @@ class RadixCache:
         self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
         self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
         self.policy.reset()
+        self._pushes = 0  # heap items since the last compaction: at most the heaps' size
         self._num_nodes = 0
         self._total = 0
         self._protected = 0
@@ -150,8 +149,12 @@ class RadixCache:
     def _push(self, node: RadixNode) -> None:
         """Make ``node`` (an evictable leaf, or one whose priority changed) a candidate of the policy."""
         self.policy.push(node)
-        if self.policy.heap_size() > 2 * self._num_nodes + 64:
-            self.policy.compact(self._live)  # amortized O(1) per push: the heaps doubled past the node count
+        self._pushes += 1  # an upper bound on the heaps' size, read for real only when it passes the limit
+        if self._pushes > 2 * self._num_nodes + 64:
+            self._pushes = self.policy.heap_size()
+            if self._pushes > 2 * self._num_nodes + 64:  # amortized O(1) per push: the heaps doubled past the nodes
+                self.policy.compact(self._live)
+                self._pushes = self.policy.heap_size()
 
     @staticmethod
     def _live(node: RadixNode) -> bool:  # an evictable leaf
@@ -197,7 +200,7 @@ class RadixCache:
         upper.lock_count = child.lock_count
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
-        upper.depth, upper.user = child.depth, child.user
+        upper.depth = child.depth
         child.depth += ntok
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[nbytes:]
@@ -205,7 +208,8 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
-        self.policy.split(upper, child)
+        if self._observes:
+            self.policy.split(upper, child)
         if not child.children and child.lock_count == 0:
             self._push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
         return upper
@@ -245,7 +249,7 @@ class RadixCache:
         if node is None:
             return MatchResult(0, _EMPTY.copy(), self.root)
         pb, end, off = self._page_bytes, len(query), 0
-        path = []
+        values = []
         while off < end:
             child = node.children.get(query[off : off + pb])
             if child is None:
@@ -258,17 +262,16 @@ class RadixCache:
             node = child
             node.last_access = now
             node.hit_count += 1
-            path.append(node)
+            values.append(node.value)
             if ends_inside:
                 break
-        if self.policy.observes and path:
-            self.policy.touched(path, hints, True)
+        if self._observes and values:  # only a policy that watches every access pays for the path
+            self.policy.touched(node.path()[0], hints, True)
         if node.parent is not None and not node.children and node.lock_count == 0:
             self._push(node)  # its priority changed
         length = off // _ITEM
         self._hit_tokens += length
-        indices = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
-        return MatchResult(length, indices, node)
+        return MatchResult(length, np.concatenate(values) if values else _EMPTY.copy(), node)
 
     def insert(self, tokens: TokenSeq, indices: TokenSeq, namespace: Hashable = None,
                hints: CacheHints = NO_HINTS) -> int:
@@ -290,7 +293,6 @@ class RadixCache:
         if node is None:
             return 0
         pb, end, off = self._page_bytes, len(query), 0
-        path = []
         while off < end:
             child = node.children.get(query[off : off + pb])
             if child is None:
@@ -303,7 +305,6 @@ class RadixCache:
             off += len(child.key)
             node = child
             node.last_access = now
-            path.append(node)
         if off < end:
             start, stop = off // _ITEM, end // _ITEM
             leaf = RadixNode(query[off:], idx[start:stop].copy(), node, now)
@@ -311,15 +312,15 @@ class RadixCache:
             node.children[query[off : off + pb]] = leaf
             self._num_nodes += 1
             self._total += stop - start
-            if self.policy.observes:
+            if self._observes:
                 self.policy.inserted(leaf, hints)
-                self.policy.touched([*path, leaf], hints, False)
+                self.policy.touched(leaf.path()[0], hints, False)
             self._push(leaf)
             if self.listener is not None:
                 stored(self, node, leaf, namespace)
         else:
-            if self.policy.observes and path:
-                self.policy.touched(path, hints, False)
+            if self._observes and node.parent is not None:
+                self.policy.touched(node.path()[0], hints, False)
             if node.parent is not None and not node.children and node.lock_count == 0:
                 self._push(node)  # fully cached: its recency changed
         return off // _ITEM
@@ -414,7 +415,7 @@ class RadixCache:
             if demoted_only and node.last_access >= 0:
                 self._push(node)  # back where it was: not this call's to take
                 break
-            if policy.observes:
+            if self._observes:
                 policy.evicted(node)
             parent = node.parent
             event = None if self.listener is None else removed(self, node)  # while it still hangs from its path

@@ -44,45 +44,34 @@ returned, which nothing reuses before the copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from radixkv.cache.base import NO_HINTS, CacheHints, Evicted, MatchResult, PrefixCache, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
+from radixkv.cache.tiers import DEVICE, MEDIUM, Copy, LoadPlan, Part
 from radixkv.memory import SlotAllocator
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EXCLUSIVE = ("write_through", "write_back")  # where exclusive tiers demote what the device holds
-MEDIUM = {"device": "GPU", "host": "CPU", "storage": "STORAGE"}  # vLLM's KV event ``medium`` per tier
-
-
-@dataclass(frozen=True)
-class Copy:
-    """KV to copy: ``src_slots[i]`` of tier ``src`` into ``dst_slots[i]`` of tier ``dst`` (int64 arrays)."""
-
-    src: str
-    dst: str
-    src_slots: np.ndarray
-    dst_slots: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.dst_slots)
-
 
 class Tier:
-    """One lower tier: ``name`` (``host``, ``storage``), a prefix cache over this tier's slots and their
-    allocator. ``shared``: one store several replicas' caches use (a cluster's storage). ``exclusive``:
-    whether a tiered cache keeps it nearly exclusive of the device (one replica's own tier under ``lru``;
-    see the module doc)."""
+    """One lower tier, built whole: ``name`` (a ``TierSpec``'s), a prefix cache over this tier's slots, their
+    allocator and, where the tier is real memory (the engine's), its KV ``buffer``. ``shared``: one store
+    several replicas' caches use (a cluster's storage). ``medium``: what its KV events name (``MEDIUM``). ``exclusive``:
+    whether a tiered cache keeps it nearly exclusive of the device (one replica's own tier under a policy that
+    ``keeps_order_under_demotion``; see the module doc)."""
 
-    def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False):
+    def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
+                 buffer: Any = None):
         if allocator.page_size != cache.page_size:
             raise ValueError(f"tier {name!r}: the allocator's page {allocator.page_size} is not the cache's "
                              f"{cache.page_size}")
         self.name, self.cache, self.allocator, self.shared = name, cache, allocator, shared
-        self.exclusive = not shared and getattr(cache, "eviction_policy", None) == "lru"
+        self.buffer, self.medium = buffer, MEDIUM.get(name, name.upper())
+        self.exclusive = not shared and cache.policy.keeps_order_under_demotion
 
     def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -130,34 +119,6 @@ class Tier:
         self.allocator.reset()
 
 
-class Part(NamedTuple):
-    """Tokens ``[start, stop)`` of a plan, from ``tier``, whose (locked) match of the prompt is ``match``."""
-
-    tier: Tier
-    match: MatchResult
-    start: int
-    stop: int
-
-
-@dataclass
-class LoadPlan:
-    """What ``plan_load`` found: the device ``match`` and the ``parts`` lower tiers supply after it, nearest
-    tier first. ``length``: tokens to load (device slots to allocate)."""
-
-    tokens: np.ndarray
-    namespace: Hashable
-    match: MatchResult
-    parts: list[Part] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.parts[-1].stop - self.match.length if self.parts else 0
-
-    def by_tier(self) -> dict[str, int]:
-        """Hit tokens per tier: the device's match, then what each lower tier supplies."""
-        return {"device": self.match.length, **{p.tier.name: p.stop - p.start for p in self.parts}}
-
-
 class TieredCache:
     """A device prefix cache (``RadixCache`` or ``HashBlockCache``) over lower ``tiers``; see the module doc.
 
@@ -203,10 +164,10 @@ class TieredCache:
     def listener(self, listener: CacheListener | None) -> None:
         """Every tier's events, each with its tier's ``medium`` (a shared store's go to no replica)."""
         self._listener = listener
-        self.device.listener = None if listener is None else _with_medium(listener, MEDIUM["device"])
+        self.device.listener = None if listener is None else _with_medium(listener, MEDIUM[DEVICE])
         for tier in self.tiers:
             if not tier.shared:
-                tier.cache.listener = None if listener is None else _with_medium(listener, MEDIUM[tier.name])
+                tier.cache.listener = None if listener is None else _with_medium(listener, tier.medium)
 
     total_size = property(lambda self: self.device.total_size, doc="Tokens on the device tier.")
     evictable_size = property(lambda self: self.device.evictable_size, doc="Unlocked device tokens.")
@@ -255,20 +216,26 @@ class TieredCache:
             self._demote(arr, namespace)
         return self.device.insert(tokens, indices, namespace, hints)
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def evict(self, num_tokens: int, victims: list[Evicted] | None = None, demoted_only: bool = False) -> np.ndarray:
         """The device tier's eviction; ``write_back`` and ``write_through`` copy each evicted entry's prefix
-        down first where a tier lacks it."""
+        down first where a tier lacks it (``victims`` gets them too, when given)."""
         if self.write_policy not in EXCLUSIVE:
-            return self.device.evict(num_tokens)
-        victims: list[Evicted] = []
-        freed = self.device.evict(num_tokens, victims)
+            return self.device.evict(num_tokens, victims, demoted_only)
+        mine: list[Evicted] = []
+        freed = self.device.evict(num_tokens, mine, demoted_only)
+        if victims is not None:
+            victims.extend(mine)
         last: Evicted | None = None
-        for v in victims:
+        for v in mine:
             if last is not None and _within(v, last):  # a chain leaves tail first: its prefix was just written
                 continue
             self._write(v.tokens, v.slots, v.namespace, back=True)
             last = v
         return freed
+
+    def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """The device tier's ``demote`` (a tiered cache below another one)."""
+        return self.device.demote(tokens, namespace)
 
     # ------------------------------------------------------------------ loads
     def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
@@ -306,7 +273,7 @@ class TieredCache:
             raise ValueError(f"load: {len(slots)} slots for {plan.length} tokens")
         try:
             for tier, m, start, stop in plan.parts:
-                self._copy(Copy(tier.name, "device", m.indices[start:stop], slots[start - m0 : stop - m0]))
+                self._copy(Copy(tier.name, DEVICE, m.indices[start:stop], slots[start - m0 : stop - m0]))
                 self.loaded_tokens[tier.name] += stop - start
         finally:
             tiers = [part.tier for part in plan.parts]
@@ -351,7 +318,7 @@ class TieredCache:
                 continue
             held, fresh = tier.store(tokens, namespace, hints, displace or not tier.exclusive)
             if len(fresh):
-                self._copy(Copy("device", tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
+                self._copy(Copy(DEVICE, tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
                 tier.keep(tokens, held, fresh, namespace, hints)
                 self.written_tokens[tier.name] += len(fresh)
 
@@ -390,7 +357,7 @@ class TieredCache:
         """The device tier's lookup statistics, and tokens loaded and written per lower tier."""
         return {**self.device.stats(), "loaded_tokens": dict(self.loaded_tokens),
                 "written_tokens": dict(self.written_tokens),
-                "tier_tokens": {"device": self.device.total_size, **{t.name: t.cache.total_size for t in self.tiers}}}
+                "tier_tokens": {DEVICE: self.device.total_size, **{t.name: t.cache.total_size for t in self.tiers}}}
 
     def unlock_all(self) -> None:
         """Every tier's locks go, and each lower tier's allocator takes back what its cache does not hold
@@ -413,6 +380,10 @@ class TieredCache:
             if not tier.shared:
                 tier.reset()
         self.copies, self._uses = [], {}
+        self.reset_transfer_counts()
+
+    def reset_transfer_counts(self) -> None:
+        """Zero the tokens loaded and written per tier (the engine's ``reset_stats``)."""
         self.loaded_tokens = dict.fromkeys(self.loaded_tokens, 0)
         self.written_tokens = dict.fromkeys(self.written_tokens, 0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -21,7 +22,8 @@ class KVPool:
     largest whole number of pages whose K and V for every layer fit). All
     layers' K and V are views of one buffer, which ``reallocate`` can move
     (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages). ``pin_memory``: page-locked host memory
-    (a host tier beside a CUDA pool: loads from it copy without blocking the CPU).
+    (a host tier beside a CUDA pool: loads from it copy without blocking the CPU). ``file``: a path to create
+    and map the buffer from instead (a storage tier on disk; CPU only).
     """
 
     def __init__(
@@ -36,6 +38,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
+        file: str | None = None,
     ):
         if (num_slots is None) == (max_bytes is None):
             raise ValueError("give exactly one of num_slots and max_bytes")
@@ -51,7 +54,11 @@ class KVPool:
         if self.num_pages < 1:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
         # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
+        if file is None:
+            self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
+        else:  # a new file of zeros, mapped shared: the OS pages it to disk (a storage tier)
+            self._use(torch.from_file(file, shared=True, size=math.prod(self.buffer_shape), dtype=dtype)
+                      .view(self.buffer_shape))
 
     @property
     def buffer_shape(self) -> tuple[int, ...]:

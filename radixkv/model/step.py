@@ -11,7 +11,6 @@ import torch
 from radixkv.attention.base import AttentionBackend, AttentionBatch
 from radixkv.memory.kv_pool import KVPool
 from radixkv.model.forward import Forward
-from radixkv.sim.cost import StepRecord  # noqa: F401 - importable here too; it lives with the cost model
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import numpy as np
 
 from radixkv.cache.base import NO_HINTS, CacheHints, MatchResult, PrefixCache, match_for_prefill
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
-from radixkv.cache.tiered import TieredCache
+from radixkv.cache.tiers import DEVICE
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
 
@@ -266,11 +266,7 @@ class Scheduler:
         """Evict every cache entry no request holds, in every tier, writing nothing down (SGLang's
         ``flush_cache``): the device slots freed. A fault part way leaves the cache's invariants whole and
         slots unreturned: the caller ``recover``s. O(cache)."""
-        if isinstance(self.cache, TieredCache):
-            return self.cache.flush(self.allocator)
-        freed = self.cache.evict(self.cache.evictable_size)
-        self.allocator.free(freed)
-        return len(freed)
+        return self.cache.flush(self.allocator)
 
     def withdraw(self, rids: set[int]) -> None:
         """Drop the unfinished requests with these ids, freeing what they hold (their cached prefixes stay)."""
@@ -306,10 +302,7 @@ class Scheduler:
         # matched again (earlier admissions may have evicted); ``device`` stays the device tier's match
         m = device = match_for_prefill(self.cache, s.prompt, s.namespace, s.hints)
         self.cache.lock(m.node)
-        tiers = {"device": m.length}
-        tiered = isinstance(self.cache, TieredCache)
-        if tiered:
-            m, tiers = self._load(s, m, budget)
+        m, tiers = self._load(s, m, budget)
         s.node, s.slots, s.cached, s.computed = m.node, m.indices, m.length, m.length
         if lend is not None and lend[1] > m.length:
             lender, length = lend
@@ -326,13 +319,13 @@ class Scheduler:
         if s.hit < 0:  # a preempted request re-admitted is not a new lookup: it would count its own KV
             s.hit = s.cached
             lent = s.cached - sum(tiers.values())  # tokens read from a lender of this step count as the device's
-            s.hit_by_tier = {**tiers, "device": tiers["device"] + lent}
+            s.hit_by_tier = {**tiers, DEVICE: tiers[DEVICE] + lent}
             self.stats["prompt_tokens"] += len(s.prompt)
             self.stats["cached_tokens"] += s.cached
             for tier, n_hit in s.hit_by_tier.items():
                 self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n_hit
-            if tiered:  # a reuse, once per request (write_through_selective counts them), never per retry
-                self.cache.admitted(s.prompt, device, s.namespace, s.hints)
+            # a reuse, once per request (write_through_selective counts them), never per retry
+            self.cache.admitted(s.prompt, device, s.namespace, s.hints)
             if self.on_first_admit is not None:
                 self.on_first_admit(s)
         return n
@@ -344,12 +337,14 @@ class Scheduler:
         return n, n if self.whole_kv is None else self.whole_kv(s) - cached
 
     def _load(self, s: RequestState, m: MatchResult, budget: float) -> tuple[MatchResult, dict[str, int]]:
-        """Extend ``m`` (locked) from a tiered cache's lower tiers into fresh device slots, evicting as usual:
-        the match to use and its tokens per tier. Only when the admission's own slots (its first chunk, or its
-        whole KV) fit too: a request that is not admitted loads nothing (``m`` alone is returned)."""
+        """Extend ``m`` (locked) from the cache's lower tiers (if it has any) into fresh device slots, evicting
+        as usual: the match to use and its tokens per tier. Only when the admission's own slots (its first
+        chunk, or its whole KV) fit too: a request that is not admitted loads nothing (``m`` alone is returned)."""
+        if not self.cache.tiers:  # nothing below the device to load from (a plan would be empty)
+            return m, {DEVICE: m.length}
         plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace, s.hints)
         if not plan.length:
-            return m, {"device": m.length}
+            return m, {DEVICE: m.length}
         _, rest = self._first_slots(s, m.length + plan.length, budget)
         page = self.allocator.page_size
         need = plan.length + math.ceil(rest / page) * page  # the chunk starts on a fresh page after the load
@@ -357,7 +352,7 @@ class Scheduler:
             self._evict(need - self.allocator.num_free)
         if self.allocator.num_free < need:
             self.cache.cancel(plan)
-            return m, {"device": m.length}
+            return m, {DEVICE: m.length}
         by_tier = plan.by_tier()
         return self.cache.load(plan, self.allocator.alloc(plan.length)), by_tier
 

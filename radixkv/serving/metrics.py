@@ -5,7 +5,8 @@ built for vLLM carry over. Every series is labelled with ``model_name`` and ``pr
 Token counters count tokens: ``prefix_cache_queries_total`` the prompt tokens looked up at admission,
 ``prefix_cache_hits_total`` those found cached (vLLM's meaning), ``prompt_tokens_total`` and
 ``generation_tokens_total``. With a host tier (``--host-kv-cache-tokens``) the hits split by tier:
-``prefix_cache_hits_by_tier_total{tier="device"|"host"}``, and vLLM's names for what lies beyond the device
+``prefix_cache_hits_by_tier_total{tier=...}`` (device, host, and storage where the engine has it), and
+vLLM's names for what lies beyond the device
 tier, ``external_prefix_cache_queries_total`` (prompt tokens the device tier did not hold, looked up below
 it) and ``external_prefix_cache_hits_total`` (those the host tier had, loaded). Each server gets its own
 registry (several can run in one process, as the tests do).
@@ -14,6 +15,8 @@ registry (several can run in one process, as the tests do).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixkv.cache.tiers import DEVICE, REPORTED
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0)
@@ -38,9 +41,7 @@ SERIES = (  # attribute, kind, name, help
     ("e2e", "histogram", "e2e_request_latency_seconds", "Seconds from arrival to the last token."),
 )
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
-TIERS = ("device", "host")
-ENGINE_COUNTERS = ("preemptions", "evicted_tokens", "external_queries", "external_hits",
-                   *(f"hits_{tier}" for tier in TIERS))  # read from the engine at scrape time
+ENGINE_COUNTERS = ("preemptions", "evicted_tokens", "external_queries", "external_hits")  # read at scrape time
 
 
 def engine_gauges(llm) -> dict:
@@ -48,11 +49,9 @@ def engine_gauges(llm) -> dict:
     stats = llm.stats()
     free = llm.allocator.num_free + llm.cache.evictable_size  # as vLLM: cached blocks no request holds are free
     by_tier = stats["hit_tokens_by_tier"]
-    tiered = bool(getattr(llm.cache, "tiers", ()))
     return {"preemptions": stats["preemptions"], "evicted_tokens": stats["evicted_tokens"],
-            "external_queries": stats["prompt_tokens"] - by_tier["device"] if tiered else 0,
-            "external_hits": stats["cached_tokens"] - by_tier["device"],
-            **{f"hits_{tier}": by_tier[tier] for tier in TIERS},
+            "external_queries": stats["prompt_tokens"] - by_tier[DEVICE] if llm.cache.tiers else 0,
+            "external_hits": stats["cached_tokens"] - by_tier[DEVICE], "tier_hits": dict(by_tier),
             "running": len(llm.running), "waiting": len(llm.waiting),
             "kv_usage": 1 - free / llm.allocator.capacity if llm.allocator.capacity else 0.0}
 
@@ -62,18 +61,23 @@ class Series:
 
     def __init__(self, families: dict, labels: dict):
         for attr, family in families.items():
-            if attr == "tier_hits":
-                for tier in TIERS:
-                    setattr(self, f"hits_{tier}", family.labels(**labels, tier=tier))
-            else:
+            if attr != "tier_hits":
                 setattr(self, attr, family.labels(**labels))
+        self._tier_family, self._labels = families["tier_hits"], labels
+        self.tier_hits = {tier: self._tier_family.labels(**labels, tier=tier) for tier in REPORTED}  # by tier name
         self._last = dict.fromkeys(ENGINE_COUNTERS, 0)
+        self._last_tier: dict[str, int] = {}
 
     def update(self, gauges: dict) -> None:
         """Gauges and the engine's counters from ``engine_gauges``."""
         for name in ENGINE_COUNTERS:
             getattr(self, name).inc(max(0, gauges[name] - self._last[name]))
             self._last[name] = gauges[name]
+        for tier, hits in gauges["tier_hits"].items():
+            if tier not in self.tier_hits:  # a tier the engine reports beyond the usual ones (storage)
+                self.tier_hits[tier] = self._tier_family.labels(**self._labels, tier=tier)
+            self.tier_hits[tier].inc(max(0, hits - self._last_tier.get(tier, 0)))
+            self._last_tier[tier] = hits
         for name in ("running", "waiting", "kv_usage"):
             getattr(self, name).set(gauges[name])
 

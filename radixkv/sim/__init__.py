@@ -8,8 +8,8 @@ choosing each request's replica. Torch-free.
 from __future__ import annotations
 
 from radixkv.bounds import upper_bound
+from radixkv.cost import CostModel, StepRecord
 from radixkv.sim.cluster import ClusterResult, cluster_references, simulate_cluster
-from radixkv.sim.cost import CostModel, StepRecord
 from radixkv.sim.engine import simulate
 from radixkv.sim.replica import SimResult
 from radixkv.stack import SIMULATOR_DEFAULTS, StackConfig

@@ -17,19 +17,21 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from radixkv.bounds import upper_bound
 from radixkv.cache.base import PrefixCache
-from radixkv.cache.belady import FutureUses
+from radixkv.cache.eviction import EVERY_POLICY, needs_future
+from radixkv.cache.future import FutureUses
 from radixkv.cache.tiered import Tier
+from radixkv.cache.tiers import STORAGE
 from radixkv.checks import is_int
+from radixkv.cost import CostModel
 from radixkv.routing import RoundRobin, Router, fit_router
 from radixkv.routing.base import EventRouter, LoadTracker
-from radixkv.sim.cost import CostModel
 from radixkv.sim.replica import (
     Feed,
     Replica,
@@ -169,11 +171,11 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     slots = config.capacity_tokens
     if slots is None:
         slots = sum(r.prompt_len + r.output_len for r in requests) + page * (len(requests) + 1)
-    options = {}
-    if cache is None and config.eviction_policy == "belady":  # the clairvoyant reference knows every arrival
-        options["future"] = FutureUses(_CacheablePrompts(requests), config.page_size)
+    future = None
+    if cache is None and needs_future(config.eviction_policy):  # a clairvoyant policy knows every arrival
+        future = FutureUses(_CacheablePrompts(requests), config.page_size)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
-                        worth_loading=(cost or CostModel()).worth_loading, **options)
+                        worth_loading=(cost or CostModel()).worth_loading, future=future)
     named = type(cache).__name__ if cache is not None else config.prefix_cache
     sharing = getattr(stack.scheduler.policy, "threshold", None)  # what the builder applied (none: no sharing)
     return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
@@ -205,7 +207,7 @@ def checked_requests(requests: object, preemption: object) -> list[Request]:
 def run_cluster(requests: list[Request], stacks: list[Stack], router: Router, cost: CostModel) -> ClusterResult:
     """Replay ``requests`` over one simulated replica per stack behind ``router``, on one clock; every
     replica ends idle with nothing leaked (``check_idle``)."""
-    result = _ClusterRun(requests, [s.scheduler for s in stacks], router, cost).run()
+    result = _ClusterRun(requests, stacks, router, cost).run()
     for s in stacks:
         check_idle(s.cache, s.allocator)
     return result
@@ -232,14 +234,14 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     requests = checked_requests(requests, preemption)
     config, obj = sim_config(config, settings)
-    if obj is not None or config.eviction_policy == "belady":
+    if obj is not None or needs_future(config.eviction_policy):
         raise ValueError("simulate_cluster takes a cache name (each replica builds its own) and an online eviction "
-                         f"policy (belady is a reference, see cluster_references), got {settings.get('cache')!r}, "
-                         f"{config.eviction_policy!r}")
+                         f"policy (one that needs the future is a reference, see cluster_references), got "
+                         f"{settings.get('cache')!r}, {config.eviction_policy!r}")
     route = fit_router(router, config.kv_page_size, router_params)
     cost = cost_model or CostModel()
-    store = lower_tier(config, "storage", config.storage_capacity_tokens, shared=True) \
-        if config.storage_capacity_tokens else None  # one store every replica reads and writes
+    stores = [lower_tier(config, replace(spec, shared=True)) for spec in config.tiers if spec.name == STORAGE]
+    store = stores[0] if stores else None  # one store every replica reads and writes
     built = [build_replica(requests, config, preemption, cost=cost, storage=store) for _ in range(replicas)]
     result = run_cluster(requests, [stack for stack, _ in built], route, cost)
     result.config = {**built[0][1], "replicas": replicas, "router": route.name, "router_params": _params(route),
@@ -250,11 +252,12 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
 
 
 def cluster_references(requests: Sequence[Request], replicas: int, capacity_tokens: int | None = None, *,
-                       config: StackConfig | None = None, cost_model: CostModel | None = None, belady: bool = True,
+                       config: StackConfig | None = None, cost_model: CostModel | None = None, clairvoyant: bool = True,
                        **settings: Any) -> dict[str, float]:
     """Hit rates no routing of N caches of ``capacity_tokens`` (or ``config``'s) can beat: the workload's upper
     bound, and one pooled cache of N x the capacity with N x the compute (a cost model N times faster, N x
-    ``max_running``), under LRU and (radix only, ``belady=True``) Belady's clairvoyant eviction. With host or
+    ``max_running``), under LRU and (radix only, ``clairvoyant=True``) each policy that needs the future
+    (``pooled_<name>``: Belady's ``pooled_belady``). With host or
     storage tiers the pooled cache is one tier holding all of their memory (``pooled_tokens``)."""
     if capacity_tokens is not None:
         settings["capacity_tokens"] = capacity_tokens
@@ -267,8 +270,10 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
     requests = checked_requests(requests, False)
     out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size),
            "pooled_lru": simulate_on(requests, settings_from(pooled, eviction_policy="lru"), faster).hit_rate}
-    if belady and config.prefix_cache == "radix":
-        out["pooled_belady"] = simulate_on(requests, settings_from(pooled, eviction_policy="belady"), faster).hit_rate
+    seers = [name for name in EVERY_POLICY if needs_future(name)] if clairvoyant and config.prefix_cache == "radix" \
+        else []  # the references that know the future (radix only)
+    for name in seers:
+        out[f"pooled_{name}"] = simulate_on(requests, settings_from(pooled, eviction_policy=name), faster).hit_rate
     return out
 
 
@@ -297,11 +302,12 @@ def _params(router: Router) -> dict:
 class _ClusterRun:
     """State of one cluster run: the feed, the replicas on one clock, the router and its load tracker."""
 
-    def __init__(self, requests: list[Request], schedulers: list, router: Router, cost: CostModel):
+    def __init__(self, requests: list[Request], stacks: list[Stack], router: Router, cost: CostModel):
         self.feed = Feed(requests)
         self.router = router
-        self.tracker = LoadTracker(len(schedulers))
-        self.replicas = [Replica(self.feed, s, cost, i, self._finished) for i, s in enumerate(schedulers)]
+        self.tracker = LoadTracker(len(stacks))
+        self.replicas = [Replica(self.feed, s.scheduler, cost, i, self._finished, s.future)
+                         for i, s in enumerate(stacks)]
         self.decisions = [-1] * len(requests)
         if isinstance(router, EventRouter):  # only event-fed routers pay for events
             for rep in self.replicas:

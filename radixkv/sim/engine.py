@@ -46,8 +46,8 @@ from typing import Any
 
 from radixkv.bounds import upper_bound  # noqa: F401  (the simulator's reference, kept importable here)
 from radixkv.cache.base import PrefixCache
+from radixkv.cost import CostModel, StepRecord  # noqa: F401  (importable here too)
 from radixkv.sim.cluster import checked_requests, sim_config, simulate_on
-from radixkv.sim.cost import CostModel, StepRecord  # noqa: F401  (importable here too)
 from radixkv.sim.replica import SimResult
 from radixkv.stack import StackConfig
 from radixkv.workloads.request import Request

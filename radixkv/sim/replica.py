@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.belady import BeladyRadixCache
-from radixkv.cache.tiered import TieredCache
+from radixkv.cache.future import FutureUses
+from radixkv.cache.tiers import DEVICE
+from radixkv.cost import CostModel
 from radixkv.scheduling import RequestState, Scheduler, causal_pairs
-from radixkv.sim.cost import CostModel
 from radixkv.workloads.request import Request
 
 
@@ -163,14 +163,13 @@ class Replica:
     """
 
     def __init__(self, feed: Feed, scheduler: Scheduler, cost: CostModel, index: int = 0,
-                 on_finish: Callable[[Running, int, np.ndarray], None] | None = None):
+                 on_finish: Callable[[Running, int, np.ndarray], None] | None = None, future: FutureUses | None = None):
         self.feed, self.scheduler, self.cost, self.index = feed, scheduler, cost, index
         self.cache, self.alloc = scheduler.cache, scheduler.allocator
         self.on_finish = on_finish
         self.result = SimResult()
         self.now = 0.0
-        self.future = self.cache.future if isinstance(self.cache, BeladyRadixCache) else None
-        self.tiered = isinstance(self.cache, TieredCache)
+        self.future = future  # a clairvoyant policy's: told of each request once it is served
         self.cache.clock = self.clock  # time-aware eviction reads the simulated seconds, built or handed in alike
 
     def clock(self) -> float:
@@ -249,8 +248,8 @@ class Replica:
         tokens = sum(n for _, n in chunks)
         pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
-        if self.tiered:  # this step's loads (writes run beside the forward)
-            loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == "device")
+        if self.cache.tiers:  # this step's loads from the lower tiers (writes run beside the forward)
+            loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
             self.result.load_seconds += loads
             dt = self.cost.with_loads(dt, loads)
         strides = 1
@@ -272,9 +271,8 @@ class Replica:
         self.result.makespan = self.now
         self.result.evicted_tokens = self.scheduler.stats["evicted_tokens"]
         self.result.preemptions = self.scheduler.stats["preemptions"]
-        if self.tiered:
-            self.result.loaded_tokens = sum(self.cache.loaded_tokens.values())
-            self.result.written_tokens = sum(self.cache.written_tokens.values())
+        self.result.loaded_tokens = sum(self.cache.loaded_tokens.values())
+        self.result.written_tokens = sum(self.cache.written_tokens.values())
         self.result.per_request.sort(key=lambda row: row["rid"])
         return self.result
 

@@ -1,4 +1,5 @@
-"""Eviction policies by name: ``make_policy("arc")`` builds one for a cache; ``POLICIES`` lists them.
+"""Eviction policies by name: ``make_policy("arc")`` builds one for a cache; ``POLICIES`` lists the online ones,
+``REFERENCES`` those a simulation alone can run, ``EVERY_POLICY`` both.
 
 Every policy is an :class:`EvictionPolicy` (:mod:`radixkv.cache.eviction.base` says what a cache tells it
 and asks it). Each class's docstring gives its rule and its costs:
@@ -17,10 +18,12 @@ ttl        what a request leaves is held ``ttl`` seconds, then recency
 tlru       SGLang's T-LRU: entries that cannot help the TTFT tail go first
 cost       GreedyDual-Size-Frequency over the prefill time an entry saves
 learned    an online estimate of each entry's reuse, learned from the cache's own history
+belady     the clairvoyant reference: farthest next use first; it ``needs_future``, which only the simulator
+           has (``make_policy(name, future=FutureUses(...))``)
 =========  ==========================================================================================
 
-``belady`` (the clairvoyant reference) is not here: it needs the future, which only the simulator has
-(:mod:`radixkv.cache.belady`).
+What a policy needs or allows is declared on its class (``observes``, ``needs_future``,
+``keeps_order_under_demotion``, ``release_order``: :class:`EvictionPolicy`); callers read those, never a name.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from radixkv.cache.eviction.adaptive import ARC, S3FIFO
-from radixkv.cache.eviction.base import CLASSICAL, SLRU, EvictionPolicy, PriorityPolicy, policy_clock
+from radixkv.cache.eviction.base import CLASSICAL, LRU, SLRU, EvictionPolicy, PriorityPolicy, policy_clock
+from radixkv.cache.eviction.belady import Belady
 from radixkv.cache.eviction.learned import Learned
 from radixkv.cache.eviction.requests import TLRU, TTL, Priority
 from radixkv.cache.eviction.value import Cost
@@ -41,7 +45,7 @@ def _classical(name: str) -> Callable[[], EvictionPolicy]:
 
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
-    "lru": EvictionPolicy,
+    "lru": LRU,
     **{name: _classical(name) for name in CLASSICAL},
     "slru": SLRU,
     "arc": ARC,
@@ -52,22 +56,50 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "cost": Cost,
     "learned": Learned,
 }
+# Policies handed the future (``needs_future``): references a simulation can run, never an engine.
+REFERENCES: dict[str, Callable[..., EvictionPolicy]] = {"belady": Belady}
+EVERY_POLICY = {**POLICIES, **REFERENCES}
 
 
-def make_policy(name: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
+def needs_future(name: str) -> bool:
+    """Whether the policy of that name is handed the workload's future (False for an unknown name)."""
+    return bool(getattr(EVERY_POLICY.get(name), "needs_future", False))
+
+
+def make_policy(name: str | EvictionPolicy, future: Any = None, **params: Any) -> EvictionPolicy:
     """A fresh policy by name with its parameters (``ValueError`` for an unknown name or a bad parameter);
-    a policy object is returned as it is (it must not serve two caches)."""
+    ``future`` (a ``FutureUses``) goes to a policy that ``needs_future`` and to no other. A policy object is
+    returned as it is (it must not serve two caches)."""
     if isinstance(name, EvictionPolicy):
-        if params:
+        if params or future is not None:
             raise ValueError("parameters go with a policy name, not with a ready policy object")
         return name
-    if not isinstance(name, str) or name not in POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
+    if not isinstance(name, str) or name not in EVERY_POLICY:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(EVERY_POLICY)}")
+    if needs_future(name) != (future is not None):
+        raise ValueError(f"eviction policy {name!r} needs future=FutureUses(...), which only the simulator has"
+                         if future is None else f"future= goes to a policy that needs the future, not {name!r}")
+    if future is not None:
+        params["future"] = future
     try:
-        inspect.signature(POLICIES[name]).bind(**params)
+        inspect.signature(EVERY_POLICY[name]).bind(**params)
     except TypeError as e:  # an unknown parameter name
         raise ValueError(f"eviction policy {name!r}: {e}") from None
-    return POLICIES[name](**params)
+    return EVERY_POLICY[name](**params)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "PriorityPolicy", "make_policy", "policy_clock"]
+def check_params(name: str, params: dict[str, Any]) -> list[str]:
+    """What is wrong with ``params`` for the policy ``name`` (a known one): built without its future where it
+    needs one, so only the parameters' names are checked then."""
+    try:
+        if needs_future(name):
+            inspect.signature(EVERY_POLICY[name]).bind(future=None, **params)
+        else:
+            make_policy(name, **params)
+    except (TypeError, ValueError) as e:
+        return [f"eviction policy {name!r}: {e}" if isinstance(e, TypeError) else str(e)]
+    return []
+
+
+__all__ = ["EVERY_POLICY", "LRU", "POLICIES", "REFERENCES", "EvictionPolicy", "PriorityPolicy", "check_params",
+           "make_policy", "needs_future", "policy_clock"]

@@ -27,16 +27,47 @@ push that made it); a policy's hooks say their own.
 from __future__ import annotations
 
 import heapq
+import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from radixkv.cache.base import CacheHints
 
-Live = Callable[[Any], bool]
-Entry = Any  # a RadixNode or a Block
+
+class Entry(Protocol):
+    """What a cache hands its policy, a ``RadixNode`` or a ``Block``: the fields the module doc lists."""
+
+    last_access: int
+    created: int
+    hit_count: int
+    depth: int
+    user: Hashable
+    state: Any
+    stamp: int
+
+    def __len__(self) -> int: ...
+
+
+class EntryCache(Protocol):
+    """The cache as its policy sees it (``bind``): every method a policy calls on it."""
+
+    total_size: int
+    page_size: int
+
+    def key_of(self, entry: Entry) -> Hashable:
+        """A key naming the entry's whole prefix, stable after it leaves (ghost lists)."""
+
+    def parent_of(self, entry: Entry) -> Entry | None:
+        """The entry its prefix continues from; None for a first one."""
+
+    def is_last_child(self, entry: Entry) -> bool:
+        """Whether the entry is its parent's only cached child."""
+
+
+Live = Callable[[Entry], bool]
 
 CLOCK_SPAN = float(1 << 40)  # logical clocks stay below this, so class * span + clock orders by class first
 
@@ -63,10 +94,10 @@ class LazyHeap:
 
     def pop(self, live: Live) -> tuple[float, Entry] | None:
         """The smallest live item (its key and entry), removed; None when none is left. O(log n) amortized."""
-        items = self.items
+        items, heappop = self.items, heapq.heappop
         while items:
-            item = heapq.heappop(items)
-            if self._current(item, live):
+            item = heappop(items)
+            if item[2].stamp == item[1] and live(item[2]):  # _current, inlined: the caches' hottest loop
                 return item[0], item[2]
         return None
 
@@ -103,15 +134,19 @@ class EvictionPolicy:
     smallest evicted first) or the candidate structure (``push`` / ``pop``), and the hooks they observe."""
 
     name = "lru"
-    observes = False  # whether the cache calls inserted / touched / split / evicted
+    # What the policy needs or allows, which the caches and the stack read instead of its name:
+    observes = False  # it watches every access: the cache calls inserted / touched / split / evicted
+    needs_future = False  # it is handed the workload's future (``FutureUses``): only the simulator builds it
+    keeps_order_under_demotion = False  # ``demote`` ranks entries first without fighting its order (lru)
+    release_order = False  # it ranks by release order alone: vLLM's O(1) free queue serves it (lru)
 
     def __init__(self) -> None:
         self.clock: Callable[[], float] = time.monotonic
-        self.cache: Any = None
+        self.cache: EntryCache | None = None
         self._seq = 0
         self.reset()
 
-    def bind(self, cache: Any) -> EvictionPolicy:
+    def bind(self, cache: EntryCache) -> EvictionPolicy:
         """Serve ``cache``; ``ValueError`` if it already serves another (its heaps hold one cache's entries)."""
         if self.cache is not None and self.cache is not cache:
             raise ValueError(f"this {self.name} policy already serves another cache: make one per cache")
@@ -135,18 +170,23 @@ class EvictionPolicy:
         return self._seq
 
     # -------------------------------------------------------------- candidates
-    def priority(self, entry: Entry) -> float:
-        """The entry's rank when pushed, smallest evicted first."""
-        return entry.last_access
+    # The entry's rank when pushed, smallest evicted first: its last access (a C getter: LRU pays no Python call)
+    priority: Callable[[Entry], float] = operator.attrgetter("last_access")
 
     def push(self, entry: Entry) -> None:
         """``entry`` may be evicted from now on, or its statistics changed while it may. O(log n)."""
-        self.heap.push(entry, self.priority(entry))
+        self._seq += 1
+        entry.stamp = self._seq  # LazyHeap.push, inlined: every cache call pushes
+        heapq.heappush(self.heap.items, (self.priority(entry), self._seq, entry))
 
     def pop(self, live: Live) -> Entry | None:
         """The next victim among the pushed, still ``live`` entries, removed from the candidates; None if none."""
-        item = self.heap.pop(live)
-        return None if item is None else item[1]
+        items, heappop = self.heap.items, heapq.heappop  # LazyHeap.pop, inlined: a cache's eviction loop
+        while items:
+            _, stamp, entry = heappop(items)
+            if entry.stamp == stamp and live(entry):
+                return entry
+        return None
 
     def heaps(self) -> Sequence[LazyHeap]:
         return (self.heap,)
@@ -172,7 +212,7 @@ class EvictionPolicy:
 
     def split(self, upper: Entry, lower: Entry) -> None:
         """A radix edge was cut: ``upper`` is new, above ``lower``; both hold the old entry's history."""
-        upper.state = lower.state
+        upper.state, upper.user = lower.state, lower.user
 
     def evicted(self, entry: Entry) -> None:
         """``entry`` is leaving the cache (still in place: its prefix can be read)."""
@@ -184,6 +224,13 @@ class EvictionPolicy:
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         """The policy's own books against the cache's ``entries`` (every one it holds); ``require(ok, what,
         detail)`` fails. The caches' ``check_invariants`` call it. O(entries)."""
+
+
+class LRU(EvictionPolicy):
+    """Least recently used first: the base order, and the one whose caches take their fast paths."""
+
+    keeps_order_under_demotion = True
+    release_order = True
 
 
 class PriorityPolicy(EvictionPolicy):

@@ -144,7 +144,7 @@ class Learned(EvictionPolicy):
             entry.user = hints.request
 
     def split(self, upper: Entry, lower: Entry) -> None:
-        upper.state = lower.state.copy()
+        upper.state, upper.user = lower.state.copy(), lower.user
 
     def evicted(self, entry: Entry) -> None:
         record = entry.state

@@ -1,10 +1,7 @@
-"""A clairvoyant radix tree: evict the leaf whose next use lies farthest ahead (Belady's MIN).
+"""``FutureUses``: what a clairvoyant eviction policy is handed, every request's prefix in arrival order.
 
-It is a reference, not a policy an engine could run: it is given the whole
-workload in advance. ``FutureUses`` indexes, for every position of every
-prompt, which requests will match through it; the cache asks it, whenever a
-leaf becomes an eviction candidate, which not-yet-served request reaches that
-leaf's first page soonest (in arrival order).
+Only the simulator can build it (it knows the whole workload in advance); a policy that ``needs_future``
+(:mod:`radixkv.cache.eviction`) is handed one by ``make_cache(..., future=...)``.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from radixkv.cache.radix import RadixCache, RadixNode
+from radixkv.cache.radix import RadixCache
 
 _ITEM = 8
 
@@ -61,30 +58,3 @@ class FutureUses:
             del ranks[:i]
             i = 0
         return ranks[i] if i < len(ranks) else float("inf")
-
-
-class BeladyRadixCache(RadixCache):
-    """``RadixCache`` whose eviction order is Belady's: farthest next use first.
-
-    A leaf's priority (``farthest_first``, passed to ``RadixCache`` as its
-    ``priority``) is computed from ``future`` when it becomes a candidate and
-    again whenever a match touches it; O(depth) Python steps plus copying the
-    leaf's whole prefix (O(prefix tokens)) per computation.
-    """
-
-    def __init__(self, future: FutureUses, page_size: int = 1):
-        if future.tree.page_size != page_size:
-            raise ValueError("FutureUses and the cache must use the same page_size")
-        self.future = future
-        super().__init__(page_size=page_size, eviction_policy="belady", priority=self.farthest_first)
-
-    def farthest_first(self, node: RadixNode) -> float:
-        """The eviction priority of leaf ``node``: minus the arrival rank of the first unserved request that
-        will match through its first page (-inf when none will), so the farthest next use goes first."""
-        parts = [node.key[: _ITEM * self.page_size]]
-        walk = node.parent
-        while walk.parent is not None:
-            parts.append(walk.key)
-            walk = walk.parent
-        prefix = b"".join(reversed(parts))
-        return -self.future.next_use(prefix, self.namespace_of(walk))

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.cache.tiers import HOST
 from radixkv.checks import is_real
 from radixkv.scheduling import causal_pairs
 
@@ -113,8 +114,9 @@ class CostModel:
                        storage_bandwidth=self.storage_bandwidth * replicas)
 
     def load_time(self, tier: str, tokens: int) -> float:
-        """Seconds to load ``tokens`` tokens' KV from ``tier`` (``host`` or ``storage``) into the device."""
-        bandwidth = self.host_bandwidth if tier == "host" else self.storage_bandwidth
+        """Seconds to load ``tokens`` tokens' KV from the lower tier named ``tier`` into the device: the host
+        tier's bandwidth, or the storage's for any tier further down."""
+        bandwidth = self.host_bandwidth if tier == HOST else self.storage_bandwidth
         return tokens * self.kv_bytes_per_token / bandwidth
 
     def worth_loading(self, tier: str, tokens: int, prefix_len: int) -> bool:
