@@ -308,11 +308,13 @@ class HashV0Cache(Untiered):
 
         v0's order: least recently accessed first, ties to the most hashed
         tokens. A parent may leave before its child (see the module docs).
-        Returns the freed slots; the caller gives them back. O(k log n) amortized. v0 keeps no prefix chains
-        and demotes nothing, so it serves in no tier: ``victims`` and ``demoted_only`` raise ``ValueError``.
+        Returns the freed slots; the caller gives them back. O(k log n) amortized. v0 demotes nothing, so
+        ``demoted_only`` frees nothing; it keeps no prefix chains, so ``victims`` raises ``ValueError``.
         """
-        if victims is not None or demoted_only:
-            raise ValueError("hash-v0 records no evicted prefixes and demotes nothing: it cannot sit in a tier")
+        if victims is not None:
+            raise ValueError("hash-v0 records no evicted prefixes: it cannot sit in a tier")
+        if demoted_only:
+            return np.zeros(0, dtype=np.int64)
         freed, count = [], 0
         while self._spare and count < num_tokens:
             slots = self._spare.pop()
