@@ -472,7 +472,8 @@ class RadixCache(Untiered):
     def check_invariants(self) -> None:
         """Verify every structural invariant (the tree's structure, lock counts, sizes, heap and slots); raise
         ``AssertionError`` naming the broken one. O(N + tokens)."""
-        check_tree(self, list(self._all_nodes()))
+        books = {"clock": self._clock, "nodes": self._num_nodes, "total": self._total, "protected": self._protected}
+        check_tree(self, self._roots, list(self._all_nodes()), books)
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The tree of one namespace as nested dicts, one per node (an empty root if it holds nothing), for
