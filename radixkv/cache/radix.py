@@ -11,9 +11,9 @@ Design notes, because they decide the speed:
 * Token ids are kept as ``bytes`` (int64, native order), so comparing a query
   with an edge is one ``memcmp`` however long the edge is, and the child of a
   node is found with one dict lookup keyed by the bytes of the first page.
-* Evictable leaves sit in a lazy binary heap: a node is pushed whenever it becomes an evictable leaf or
-  its priority changes while it is one; stale entries are dropped when they surface, and the heap is
-  rebuilt from the live ones past 2 x nodes + 64 entries: O(log n) amortized per push or pop.
+* Evictable leaves sit in the policy's lazy binary heaps: a node is pushed whenever it becomes an evictable
+  leaf or its priority changes while it is one; stale entries are dropped when they surface, and a heap
+  rebuilds itself from the live ones once it doubled past them: O(log n) amortized per push or pop.
 * The tree never frees memory; ``evict`` returns slot indices to the caller.
 * Events (:mod:`radixkv.cache.events`) are per page: an insert's new leaf is one ``BlockStored``, an evicted
   leaf one ``BlockRemoved``; a split changes no page, so it says nothing. The listener hears of a change
@@ -87,7 +87,7 @@ class RadixCache(Untiered):
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         self.page_size = int(page_size)
-        self.policy = make_policy(eviction_policy).bind(self)
+        self.policy = make_policy(eviction_policy).bind(self, self._live)  # its heaps compact themselves
         self.eviction_policy = self.policy.name
         self._observes = self.policy.observes  # read on every match, insert and eviction
         self._page_bytes = _ITEM * self.page_size
@@ -104,7 +104,6 @@ class RadixCache(Untiered):
         self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
         self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
         self.policy.reset()
-        self._pushes = 0  # heap items since the last compaction: at most the heaps' size
         self._num_nodes = 0
         self._total = 0
         self._protected = 0
@@ -146,16 +145,6 @@ class RadixCache(Untiered):
         usable = len(arr) - len(arr) % self.page_size
         return arr, arr[:usable].tobytes()
 
-    def _push(self, node: RadixNode) -> None:
-        """Make ``node`` (an evictable leaf, or one whose priority changed) a candidate of the policy."""
-        self.policy.push(node)
-        self._pushes += 1  # an upper bound on the heaps' size, read for real only when it passes the limit
-        if self._pushes > 2 * self._num_nodes + 64:
-            self._pushes = self.policy.heap_size()
-            if self._pushes > 2 * self._num_nodes + 64:  # amortized O(1) per push: the heaps doubled past the nodes
-                self.policy.compact(self._live)
-                self._pushes = self.policy.heap_size()
-
     @staticmethod
     def _live(node: RadixNode) -> bool:  # an evictable leaf
         return node.parent is not None and not node.children and node.lock_count == 0
@@ -196,11 +185,10 @@ class RadixCache(Untiered):
         """
         ntok = nbytes // _ITEM
         parent = child.parent
-        upper = RadixNode(child.key[:nbytes], child.value[:ntok].copy(), parent, child.created)
+        upper = RadixNode(child.key[:nbytes], child.value[:ntok].copy(), parent, child.created, child.depth)
         upper.lock_count = child.lock_count
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
-        upper.depth = child.depth
         child.depth += ntok
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[nbytes:]
@@ -211,7 +199,7 @@ class RadixCache(Untiered):
         if self._observes:
             self.policy.split(upper, child)
         if not child.children and child.lock_count == 0:
-            self._push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
+            self.policy.push(child)  # its edge now starts elsewhere: a position-aware priority (Belady) changes
         return upper
 
     def _root_for(self, namespace: Hashable, create: bool) -> RadixNode | None:
@@ -268,7 +256,7 @@ class RadixCache(Untiered):
         if self._observes and values:  # only a policy that watches every access pays for the path
             self.policy.touched(node.path()[0], hints, True)
         if node.parent is not None and not node.children and node.lock_count == 0:
-            self._push(node)  # its priority changed
+            self.policy.push(node)  # its priority changed
         length = off // _ITEM
         self._hit_tokens += length
         return MatchResult(length, np.concatenate(values) if values else _EMPTY.copy(), node)
@@ -307,22 +295,21 @@ class RadixCache(Untiered):
             node.last_access = now
         if off < end:
             start, stop = off // _ITEM, end // _ITEM
-            leaf = RadixNode(query[off:], idx[start:stop].copy(), node, now)
-            leaf.depth = start
+            leaf = RadixNode(query[off:], idx[start:stop].copy(), node, now, start)
             node.children[query[off : off + pb]] = leaf
             self._num_nodes += 1
             self._total += stop - start
             if self._observes:
                 self.policy.inserted(leaf, hints)
                 self.policy.touched(leaf.path()[0], hints, False)
-            self._push(leaf)
+            self.policy.push(leaf)
             if self.listener is not None:
                 stored(self, node, leaf, namespace)
         else:
             if self._observes and node.parent is not None:
                 self.policy.touched(node.path()[0], hints, False)
             if node.parent is not None and not node.children and node.lock_count == 0:
-                self._push(node)  # fully cached: its recency changed
+                self.policy.push(node)  # fully cached: its recency changed
         return off // _ITEM
 
     def _check_attached(self, node: RadixNode, verb: str) -> None:
@@ -374,7 +361,7 @@ class RadixCache(Untiered):
                 self._protected -= len(node.value)
             node = node.parent
         if leaf.lock_count == 0 and not leaf.children:
-            self._push(leaf)
+            self.policy.push(leaf)
 
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
         """Rank the nodes wholly within the cached prefix of ``tokens`` as the least recently used of all
@@ -393,7 +380,7 @@ class RadixCache(Untiered):
             node = child
             node.last_access = mark
         if node.parent is not None and self._live(node):
-            self._push(node)
+            self.policy.push(node)
         return off // _ITEM
 
     def evict(self, num_tokens: int, victims: list[Evicted] | None = None, demoted_only: bool = False) -> np.ndarray:
@@ -413,7 +400,7 @@ class RadixCache(Untiered):
             if node is None:
                 break
             if demoted_only and node.last_access >= 0:
-                self._push(node)  # back where it was: not this call's to take
+                self.policy.push(node)  # back where it was: not this call's to take
                 break
             if self._observes:
                 policy.evicted(node)
@@ -428,7 +415,7 @@ class RadixCache(Untiered):
             self._total -= len(node.value)  # per victim: a policy may read total_size while evict runs
             self._num_nodes -= 1
             if not parent.children and parent.parent is not None and parent.lock_count == 0:
-                self._push(parent)
+                self.policy.push(parent)
             elif not parent.children and parent is not self.root and parent.parent is None:
                 self._drop_root(parent)
             if event is not None:  # told once the books hold the removal: a listener that raises breaks nothing
@@ -457,7 +444,7 @@ class RadixCache(Untiered):
         for node in self._all_nodes():
             node.lock_count = node.own_lock_count = 0
             if not node.children:
-                self._push(node)
+                self.policy.push(node)
         self._protected = 0
 
     # ------------------------------------------------------------- inspection

@@ -30,7 +30,7 @@ class RadixNode:
         "last_access", "hit_count", "created", "stamp", "prefix_state", "depth", "user", "state",
     )
 
-    def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int):
+    def __init__(self, key: bytes, value: np.ndarray, parent: RadixNode | None, now: int, depth: int = 0):
         self.key = key
         self.value = value
         self.children: dict[bytes, RadixNode] = {}
@@ -42,7 +42,7 @@ class RadixNode:
         self.created = now
         self.stamp = -1  # sequence number of this node's newest heap entry
         self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
-        self.depth = 0  # tokens before the edge (its prefix), for eviction policies
+        self.depth = depth  # tokens before the edge (its prefix), for eviction policies
         self.user: object = None  # the eviction policy's: the last request that used it
         self.state: object = None  # the eviction policy's own record
 

@@ -75,17 +75,22 @@ CLOCK_SPAN = float(1 << 40)  # logical clocks stay below this, so class * span +
 class LazyHeap:
     """Entries ordered by a number, smallest first, ties by push order. Re-pushing an entry makes its older
     heap items stale (its ``stamp`` moves on); stale and no-longer-live items are dropped as they surface.
-    The ``stamp`` counter is shared by every heap of one policy, so an entry lives in one heap at a time."""
+    The ``stamp`` counter is shared by every heap of one policy, so an entry lives in one heap at a time.
+    Where the policy was bound with its cache's liveness test, a heap that doubled past its live items since
+    it last compacted compacts itself on a push (amortized O(1) per push)."""
 
     def __init__(self, owner: EvictionPolicy):
         self.items: list[tuple[float, int, Entry]] = []
         self._owner = owner
+        self.limit = 64  # items past which a push compacts: 2 x the live ones at the last compaction, + 64
 
     def __len__(self) -> int:
         return len(self.items)
 
     def push(self, entry: Entry, key: float) -> None:  # O(log n)
         heapq.heappush(self.items, (key, self._owner.next_stamp(entry), entry))
+        if len(self.items) > self.limit and self._owner.live is not None:
+            self.compact(self._owner.live)
 
     @staticmethod
     def _current(item: tuple[float, int, Entry], live: Live) -> bool:
@@ -109,8 +114,9 @@ class LazyHeap:
         return items[0][0] if items else None
 
     def compact(self, live: Live) -> None:  # O(n): keeps the heap within a constant of the live entries
-        self.items[:] = [i for i in self.items if self._current(i, live)]
+        self.items[:] = [i for i in self.items if i[2].stamp == i[1] and live(i[2])]  # _current, inlined
         heapq.heapify(self.items)
+        self.limit = 2 * len(self.items) + 64
 
     def entries(self) -> Iterable[Entry]:
         return (i[2] for i in self.items if i[2].stamp == i[1])
@@ -143,14 +149,17 @@ class EvictionPolicy:
     def __init__(self) -> None:
         self.clock: Callable[[], float] = time.monotonic
         self.cache: EntryCache | None = None
+        self.live: Live | None = None
         self._seq = 0
         self.reset()
 
-    def bind(self, cache: EntryCache) -> EvictionPolicy:
-        """Serve ``cache``; ``ValueError`` if it already serves another (its heaps hold one cache's entries)."""
+    def bind(self, cache: EntryCache, live: Live | None = None) -> EvictionPolicy:
+        """Serve ``cache``; ``ValueError`` if it already serves another (its heaps hold one cache's entries).
+        ``live``: the cache's test of a candidate, with which the heaps compact themselves (None: the cache
+        compacts them, ``compact``)."""
         if self.cache is not None and self.cache is not cache:
             raise ValueError(f"this {self.name} policy already serves another cache: make one per cache")
-        self.cache = cache
+        self.cache, self.live = cache, live
         return self
 
     def reset(self) -> None:
@@ -177,7 +186,10 @@ class EvictionPolicy:
         """``entry`` may be evicted from now on, or its statistics changed while it may. O(log n)."""
         self._seq += 1
         entry.stamp = self._seq  # LazyHeap.push, inlined: every cache call pushes
-        heapq.heappush(self.heap.items, (self.priority(entry), self._seq, entry))
+        heap = self.heap
+        heapq.heappush(heap.items, (self.priority(entry), self._seq, entry))
+        if len(heap.items) > heap.limit and self.live is not None:
+            heap.compact(self.live)
 
     def pop(self, live: Live) -> Entry | None:
         """The next victim among the pushed, still ``live`` entries, removed from the candidates; None if none."""

@@ -26,12 +26,12 @@ class Belady(EvictionPolicy):
         self.future = future
         super().__init__()
 
-    def bind(self, cache: Any) -> EvictionPolicy:
+    def bind(self, cache: Any, live: Any = None) -> EvictionPolicy:
         if not hasattr(cache, "namespace_of"):  # ranks a tree's leaves by their place in it
             raise ValueError("eviction_policy='belady' is implemented for the radix cache only")
         if self.future.tree.page_size != cache.page_size:
             raise ValueError("the future uses and the cache must have the same page_size")
-        return super().bind(cache)
+        return super().bind(cache, live)
 
     def priority(self, entry: Entry) -> float:
         parts = [entry.key[: _ITEM * self.cache.page_size]]
