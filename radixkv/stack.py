@@ -26,7 +26,8 @@ from typing import Any
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY as EVICTION_POLICIES
 from radixkv.cache.eviction import POLICIES as ONLINE_POLICIES
-from radixkv.cache.eviction import check_params, needs_future
+from radixkv.cache.eviction import make_policy as make_policy_named
+from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
@@ -124,12 +125,14 @@ class StackConfig:
         return [message for ok, message in checks if not ok] + self._policy_problems()
 
     def _policy_problems(self) -> list[str]:
-        """What the eviction policy says of its parameters (``check_params``)."""
+        """What ``make_policy`` says of the eviction policy's parameters."""
         if not isinstance(self.eviction_params, Mapping):
             return [f"eviction_params must be a mapping of parameter names, got {self.eviction_params!r}"]
-        if self.eviction_policy not in EVICTION_POLICIES:
-            return []
-        return check_params(self.eviction_policy, dict(self.eviction_params))
+        try:
+            make_policy_named(self.eviction_policy, **self.eviction_params)
+        except ValueError as e:
+            return [] if self.eviction_policy not in EVICTION_POLICIES else [str(e)]
+        return []
 
     @property
     def tiers(self) -> list[TierSpec]:

@@ -68,18 +68,17 @@ def needs_future(name: str) -> bool:
 
 def make_policy(name: str | EvictionPolicy, future: Any = None, **params: Any) -> EvictionPolicy:
     """A fresh policy by name with its parameters (``ValueError`` for an unknown name or a bad parameter);
-    ``future`` (a ``FutureUses``) goes to a policy that ``needs_future`` and to no other. A policy object is
-    returned as it is (it must not serve two caches)."""
+    ``future`` (a ``FutureUses``) goes to a policy that ``needs_future`` and to no other (one built without
+    it refuses to serve a cache). A policy object is returned as it is (it must not serve two caches)."""
     if isinstance(name, EvictionPolicy):
         if params or future is not None:
             raise ValueError("parameters go with a policy name, not with a ready policy object")
         return name
     if not isinstance(name, str) or name not in EVERY_POLICY:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(EVERY_POLICY)}")
-    if needs_future(name) != (future is not None):
-        raise ValueError(f"eviction policy {name!r} needs future=FutureUses(...), which only the simulator has"
-                         if future is None else f"future= goes to a policy that needs the future, not {name!r}")
     if future is not None:
+        if not needs_future(name):
+            raise ValueError(f"future= goes to a policy that needs the future, not {name!r}")
         params["future"] = future
     try:
         inspect.signature(EVERY_POLICY[name]).bind(**params)
@@ -88,18 +87,5 @@ def make_policy(name: str | EvictionPolicy, future: Any = None, **params: Any) -
     return EVERY_POLICY[name](**params)
 
 
-def check_params(name: str, params: dict[str, Any]) -> list[str]:
-    """What is wrong with ``params`` for the policy ``name`` (a known one): built without its future where it
-    needs one, so only the parameters' names are checked then."""
-    try:
-        if needs_future(name):
-            inspect.signature(EVERY_POLICY[name]).bind(future=None, **params)
-        else:
-            make_policy(name, **params)
-    except (TypeError, ValueError) as e:
-        return [f"eviction policy {name!r}: {e}" if isinstance(e, TypeError) else str(e)]
-    return []
-
-
-__all__ = ["EVERY_POLICY", "LRU", "POLICIES", "REFERENCES", "EvictionPolicy", "PriorityPolicy", "check_params",
-           "make_policy", "needs_future", "policy_clock"]
+__all__ = ["EVERY_POLICY", "LRU", "POLICIES", "REFERENCES", "EvictionPolicy", "PriorityPolicy", "make_policy",
+           "needs_future", "policy_clock"]

@@ -22,11 +22,13 @@ class Belady(EvictionPolicy):
     name = "belady"
     needs_future = True
 
-    def __init__(self, future: Any):  # a radixkv.cache.future.FutureUses (which imports the tree, which imports us)
+    def __init__(self, future: Any = None):  # a cache.future.FutureUses (which imports the tree, which imports us)
         self.future = future
         super().__init__()
 
     def bind(self, cache: Any, live: Any = None) -> EvictionPolicy:
+        if self.future is None:
+            raise ValueError("eviction policy 'belady' needs future=FutureUses(...), which only the simulator has")
         if not hasattr(cache, "namespace_of"):  # ranks a tree's leaves by their place in it
             raise ValueError("eviction_policy='belady' is implemented for the radix cache only")
         if self.future.tree.page_size != cache.page_size:
