@@ -12,7 +12,7 @@ from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
-from radixkv.settings import aliases, setting
+from radixkv.settings import aliases, problems, setting
 from radixkv.stack import StackConfig, settings_from
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
@@ -101,18 +101,14 @@ class EngineConfig:
     def _model_problems(self) -> list[str]:
         types = [
             (isinstance(self.stack, StackConfig), "stack must be a StackConfig"),
-            (isinstance(self.record_steps, bool), "record_steps must be a bool"),
-            (isinstance(self.batch_invariant, bool), "batch_invariant must be a bool"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
             (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
              "device must be 'cpu', 'cuda' or 'cuda:N'"),
-            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
-            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.attention_backend != "flashinfer" or self.dtype in (*FLASHINFER_DTYPES, "auto"),
              f"attention_backend='flashinfer' needs dtype in {FLASHINFER_DTYPES} (FlashInfer has no float32 kernels); "
              "'auto' falls back to the PyTorch path for float32"),
         ]
-        return [message for ok, message in types if not ok]
+        return problems(self) + [message for ok, message in types if not ok]
 
     @property
     def kv_page_size(self) -> int:

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 
+from radixkv.cache.eviction import POLICIES as ONLINE_POLICIES
 from radixkv.config import EngineConfig
 from radixkv.heap import freeze_startup_heap
 from radixkv.routing import ROUTERS as ROUTER_NAMES
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     add_flags(p, StackConfig, ("prefix_cache",))
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's spelling: --no-enable-prefix-caching is --prefix-cache none")
-    add_flags(p, StackConfig, skip=ENGINE_SKIP)
+    add_flags(p, StackConfig, skip=ENGINE_SKIP, choices={"eviction_policy": sorted(ONLINE_POLICIES)})  # an engine
     add_flags(p, EngineConfig, skip=ENGINE_SKIP)
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "

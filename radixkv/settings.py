@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
+from radixkv.checks import is_int
+
 
 def setting(default: Any, help: str, *, aliases: tuple[str, ...] = (), flags: tuple[str, ...] = (),
-            choices: Sequence[str] | None = None) -> Any:
-    """A dataclass field with what its flag and its keyword aliases need. ``flags`` are extra spellings of the
-    flag (vLLM's, SGLang's), after ``--name``; ``aliases`` extra keyword names; ``choices`` the values
-    it takes (names). A dict default is copied per instance."""
-    meta = {"help": help, "aliases": tuple(aliases), "flags": tuple(flags), "choices": choices}
+            choices: Sequence[str] | None = None, minimum: int | None = None) -> Any:
+    """A dataclass field with what its flag, its keyword aliases and its check need. ``flags`` are extra
+    spellings of the flag (vLLM's, SGLang's), after ``--name``; ``aliases`` extra keyword names; ``choices``
+    the values it takes (names); ``minimum`` the least number it takes (``problems`` checks its type from the
+    annotation, then these). A dict default is copied per instance."""
+    meta = {"help": help, "aliases": tuple(aliases), "flags": tuple(flags), "choices": choices, "minimum": minimum}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
@@ -66,6 +69,31 @@ def optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
+KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {  # a setting's annotation -> its type test, its name
+    "int": (is_int, "an integer"), "int|None": (is_int, "an integer"),
+    "bool": (lambda v: isinstance(v, bool), "a bool"), "str": (lambda v: isinstance(v, str), "a string"),
+    "Mapping[str,Any]": (lambda v: isinstance(v, Mapping), "a mapping"),
+}
+
+
+def problems(config: Any) -> list[str]:
+    """What breaks each setting's own declaration in ``config``: its type (from its annotation; ``int | None``
+    takes None, as one of the token budgets or tier sizes), then its ``choices`` or ``minimum``. O(fields)."""
+    out = []
+    for f in described(type(config)):
+        value, kind, meta = getattr(config, f.name), str(f.type).replace(" ", ""), f.metadata
+        if value is None and kind.endswith("|None"):
+            continue
+        test, what = KINDS[kind]
+        bound = "" if meta["minimum"] is None else f" >= {meta['minimum']}"
+        what += bound + (" or None (one of the token budgets or tier sizes)" if kind.endswith("|None") else "")
+        if not test(value) or (bound and value < meta["minimum"]):
+            out.append(f"{f.name} must be {what}, got {value!r}")
+        elif meta["choices"] is not None and value not in meta["choices"]:
+            out.append(f"{f.name} must be one of {list(meta['choices'])}, got {value!r}")
+    return out
+
+
 def _flag_kind(f: Field) -> dict[str, Any]:
     """What ``add_argument`` needs for the field's type (annotations are strings here)."""
     kind = str(f.type).replace(" ", "")
@@ -81,19 +109,20 @@ def _flag_kind(f: Field) -> dict[str, Any]:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, names: Collection[str] | None = None, *,
               skip: Collection[str] = (), defaults: Mapping[str, Any] | None = None,
-              helps: Mapping[str, str] | None = None) -> None:
+              helps: Mapping[str, str] | None = None, choices: Mapping[str, Sequence[str]] | None = None) -> None:
     """One flag per setting of ``cls`` (those of ``names`` if given, less ``skip``), in field order: its
     spellings (``--name``, then ``flags``), its type, choices, help and default (``defaults`` overrides the
-    field's, ``helps`` its help for this command); the parsed value lands on the field's name."""
-    defaults, helps = defaults or {}, helps or {}
+    field's, ``helps`` its help, ``choices`` its choices for this command); the parsed value lands on the
+    field's name."""
+    defaults, helps, choices = defaults or {}, helps or {}, choices or {}
     for f in described(cls):
         if (names is not None and f.name not in names) or f.name in skip:
             continue
         spellings = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
         options = dict(_flag_kind(f), dest=f.name, default=defaults.get(f.name, default_of(f)),
                        help=helps.get(f.name, f.metadata["help"]))
-        if f.metadata["choices"] is not None:
-            options["choices"] = list(f.metadata["choices"])
+        if choices.get(f.name, f.metadata["choices"]) is not None:
+            options["choices"] = list(choices.get(f.name, f.metadata["choices"]))
         parser.add_argument(*dict.fromkeys(spellings), **options)
 
 

@@ -25,18 +25,16 @@ from typing import Any
 
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY as EVICTION_POLICIES
-from radixkv.cache.eviction import POLICIES as ONLINE_POLICIES
 from radixkv.cache.eviction import make_policy as make_policy_named
 from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
 from radixkv.cache.tiers import TierSpec, lower_tiers
-from radixkv.checks import is_int
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.scheduling import RequestState, Scheduler, make_policy
-from radixkv.settings import canonical, setting
+from radixkv.settings import canonical, problems, setting
 
 BLOCK_CACHES = ("hash", "hash-v0")  # caches that allocate whole blocks of ``block_size``
 TIERED_CACHES = ("radix", "hash")  # those a host or storage tier can sit below
@@ -61,62 +59,48 @@ class StackConfig:
     capacity_tokens: int | None = setting(
         None, "KV budget in tokens (the engine's None: a quarter of free memory, 1,024 to 2**20; the "
               "simulator's: room for every token)",
-        aliases=("kv_cache_tokens",), flags=("--kv-cache-tokens", "--max-total-tokens"))
-    page_size: int = setting(1, "radix cache: tokens per KV page (a node holds whole pages)")
-    block_size: int = setting(16, "hash / hash-v0 caches: tokens per hashed block (also their KV page)")
+        aliases=("kv_cache_tokens",), flags=("--kv-cache-tokens", "--max-total-tokens"), minimum=1)
+    page_size: int = setting(1, "radix cache: tokens per KV page (a node holds whole pages)", minimum=1)
+    block_size: int = setting(16, "hash / hash-v0 caches: tokens per hashed block (also their KV page)", minimum=1)
     eviction_policy: str = setting("lru", "which unreferenced cache entries go first under memory pressure",
-                                   flags=("--radix-eviction-policy",), choices=sorted(ONLINE_POLICIES))
+                                   flags=("--radix-eviction-policy",), choices=sorted(EVICTION_POLICIES))
     eviction_params: Mapping[str, Any] = setting(
         {}, 'the eviction policy\'s parameters (JSON on a command line, e.g. \'{"ttl": 60}\' for ttl; '
             'docs/eviction.md)')
     schedule_policy: str = setting("lpm", "order in which waiting requests are admitted (lpm: longest cached "
                                           "prefix first)", choices=SCHEDULE_POLICIES)
     in_batch_sharing: int = setting(32, "admit one of several waiting requests sharing an uncached prefix of at "
-                                        "least this many tokens first (SGLang's in-batch prefix caching; 0: off)")
+                                        "least this many tokens first (SGLang's in-batch prefix caching; 0: off)",
+                                    minimum=0)
     max_batch_tokens: int | None = setting(4096, "tokens per step, decodes and prefill chunks together (None: no "
-                                                 "limit)", flags=("--max-num-batched-tokens",))
+                                                 "limit)", flags=("--max-num-batched-tokens",), minimum=1)
     chunked_prefill_size: int | None = setting(1024, "longest prefill chunk of one request per step (None: whole "
-                                                     "prompts)")
+                                                     "prompts)", minimum=1)
     max_running: int = setting(64, "most requests running at once", flags=("--max-running-requests",
-                                                                           "--max-num-seqs"))
+                                                                           "--max-num-seqs"), minimum=1)
     seed: int = setting(0, "seed for sampling and for random policies")
     host_capacity_tokens: int | None = setting(
         None, "host tier below the device's KV, in tokens (HiCache: a second KV buffer in host memory; None: "
-              "none)", aliases=("host_kv_cache_tokens",), flags=("--host-kv-cache-tokens",))
-    storage_capacity_tokens: int | None = setting(None, "storage tier below the host tier, in tokens (None: none)")
+              "none)", aliases=("host_kv_cache_tokens",), flags=("--host-kv-cache-tokens",), minimum=0)
+    storage_capacity_tokens: int | None = setting(None, "storage tier below the host tier, in tokens (None: none)",
+                                                  minimum=0)
     write_policy: str = setting("write_through", "when KV is copied to the lower tiers: on insert, after "
                                                  "write_threshold hits, or on eviction",
                                 flags=("--hicache-write-policy",), choices=WRITE_POLICIES)
-    write_threshold: int = setting(2, "hits before write_through_selective copies an entry to the host tier")
+    write_threshold: int = setting(2, "hits before write_through_selective copies an entry to the host tier",
+                                   minimum=1)
 
     def __post_init__(self) -> None:
         for message in self.problems():
             raise ValueError(f"invalid settings: {message} (got {asdict(self)})")
 
     def problems(self) -> list[str]:
-        """What is wrong with these settings, types first (the range checks compare numbers)."""
-        ints = ("page_size", "block_size", "max_running", "in_batch_sharing", "seed", "write_threshold")
-        budgets = ("capacity_tokens", "max_batch_tokens", "chunked_prefill_size")
-        tiers = ("host_capacity_tokens", "storage_capacity_tokens")
-        optional = budgets + tiers
-        wrong = [f"{n} must be an integer" for n in ints if not is_int(getattr(self, n))]
-        wrong += [f"{n} must be an integer or None (capacity_tokens and the token budgets)" for n in optional
-                  if getattr(self, n) is not None and not is_int(getattr(self, n))]
+        """What is wrong with these settings: each one's own check (``radixkv.settings.problems``) first, then
+        how they go together."""
+        wrong = problems(self)
         if wrong:
             return wrong
         checks = [
-            (self.prefix_cache in CACHES, f"prefix_cache must be one of {CACHES}"),
-            (self.eviction_policy in EVICTION_POLICIES,
-             f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}"),
-            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy must be one of {SCHEDULE_POLICIES}"),
-            (self.page_size >= 1 and self.block_size >= 1, "page_size and block_size must be >= 1"),
-            (all(getattr(self, n) is None or getattr(self, n) >= 1 for n in budgets),
-             "capacity_tokens and the token budgets must be >= 1 or None"),
-            (self.max_running >= 1, "max_running must be >= 1"),
-            (all((getattr(self, n) or 0) >= 0 for n in tiers), "tier capacities must be >= 0 (0: none)"),
-            (self.in_batch_sharing >= 0, "in_batch_sharing must be >= 0 (0 disables it)"),
-            (self.write_policy in WRITE_POLICIES, f"write_policy must be one of {WRITE_POLICIES}"),
-            (self.write_threshold >= 1, "write_threshold must be >= 1"),
             (not self.tiered or self.prefix_cache in TIERED_CACHES,
              f"host and storage tiers work with the caches {TIERED_CACHES}"),
             (not self.tiered or not needs_future(self.eviction_policy),
@@ -126,12 +110,10 @@ class StackConfig:
 
     def _policy_problems(self) -> list[str]:
         """What ``make_policy`` says of the eviction policy's parameters."""
-        if not isinstance(self.eviction_params, Mapping):
-            return [f"eviction_params must be a mapping of parameter names, got {self.eviction_params!r}"]
         try:
             make_policy_named(self.eviction_policy, **self.eviction_params)
         except ValueError as e:
-            return [] if self.eviction_policy not in EVICTION_POLICIES else [str(e)]
+            return [str(e)]
         return []
 
     @property

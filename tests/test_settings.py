@@ -99,3 +99,18 @@ def test_unknown_settings_are_clear_errors_and_the_engine_takes_a_storage_tier()
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         settings_from(StackConfig(), nope=1)
     assert [t.name for t in EngineConfig(storage_capacity_tokens=4096).stack.tiers] == ["storage"]
+
+
+def test_each_setting_is_checked_from_its_declaration():
+    from radixkv.settings import described
+
+    for f in described(StackConfig):
+        if f.metadata["minimum"] is not None:
+            with pytest.raises(ValueError, match=f"{f.name} must be an integer >= {f.metadata['minimum']}"):
+                StackConfig(**{f.name: f.metadata["minimum"] - 1})
+        if f.metadata["choices"] is not None:
+            with pytest.raises(ValueError, match=f"{f.name} must be one of"):
+                StackConfig(**{f.name: "no-such-name"})
+        if "int" in str(f.type):
+            with pytest.raises(ValueError, match=f"{f.name} must be an integer"):
+                StackConfig(**{f.name: "7"})
