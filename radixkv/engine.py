@@ -150,7 +150,8 @@ class LLM:
         if tokens or not (is_real(ratio) and ratio > 0):
             raise ValueError(f"hicache_ratio must be a number > 0, and not given with host_kv_cache_tokens "
                              f"(got {ratio!r}, {tokens!r})")
-        return replace(self.config, host_kv_cache_tokens=max(int(ratio * self.pool.num_slots), self.pool.page_size))
+        page = self.pool.page_size  # whole pages, as the tier's allocator holds them
+        return replace(self.config, host_kv_cache_tokens=max(int(ratio * self.pool.num_slots) // page * page, page))
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -88,14 +88,15 @@ class TierMemory:
         d = self.pools[DEVICE]
         layout = dict(num_slots=spec.tokens, page_size=d.page_size, dtype=d.dtype)
         if spec.name == STORAGE:
+            nbytes = spec.tokens // d.page_size * d.page_size * KVPool.slot_bytes(
+                d.num_layers, d.num_kv_heads, d.head_dim, d.dtype)
             fd, path = tempfile.mkstemp(prefix="radixkv-storage-", suffix=".kv", dir=self.directory)
-            os.close(fd)
-            os.unlink(path)  # from_file creates it anew
-            try:
+            try:  # the disk space is reserved now: a tier larger than the disk fails here, not mid-serving
+                os.posix_fallocate(fd, 0, nbytes)
                 pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, file=path)
             finally:
-                if os.path.exists(path):
-                    os.unlink(path)  # mapped: nothing is left on disk once the engine goes
+                os.close(fd)
+                os.unlink(path)  # mapped: nothing is left on disk once the engine goes
         else:
             pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, pin_memory=d.device.type == "cuda")
         self.pools[spec.name] = pool

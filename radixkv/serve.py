@@ -28,7 +28,7 @@ from radixkv.settings import SettingsParser, add_flags, described
 from radixkv.stack import StackConfig
 
 ENGINE_SKIP = ("model", "prefix_cache", "record_steps")  # positional; given below
-# beside vLLM's switch; the engine's calibration log; a tier only the simulator has
+# beside vLLM's switch; the engine's calibration log
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
-from radixkv.checks import is_int
+from radixkv.checks import is_int, is_real
 
 
 def setting(default: Any, help: str, *, aliases: tuple[str, ...] = (), flags: tuple[str, ...] = (),
@@ -70,7 +70,7 @@ def optional_int(text: str) -> int | None:
 
 
 KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {  # a setting's annotation -> its type test, its name
-    "int": (is_int, "an integer"), "int|None": (is_int, "an integer"),
+    "int": (is_int, "an integer"), "int|None": (is_int, "an integer"), "float": (is_real, "a finite number"),
     "bool": (lambda v: isinstance(v, bool), "a bool"), "str": (lambda v: isinstance(v, str), "a string"),
     "Mapping[str,Any]": (lambda v: isinstance(v, Mapping), "a mapping"),
 }

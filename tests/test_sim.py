@@ -399,3 +399,16 @@ def test_cost_model_fit_recovers_known_constants():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-9)
     with pytest.raises(ValueError, match="at least 5"):
         CostModel.fit(records[:3])
+
+
+def test_a_ready_clairvoyant_cache_is_told_what_was_served_as_one_built_by_name():
+    from radixkv.cache.eviction.belady import Belady
+    from radixkv.cache.future import FutureUses
+    from radixkv.cache.radix import RadixCache
+    from radixkv.sim.replica import cacheable_prompt, numbered
+
+    reqs = numbered(list(workloads.make("multi_turn", **SMALL["multi_turn"])))
+    cap = sum(r.prompt_len for r in reqs) // 6
+    future = FutureUses([(cacheable_prompt(r.tokens()), r.namespace) for r in reqs], 1)
+    ready = simulate(reqs, cache=RadixCache(eviction_policy=Belady(future)), capacity_tokens=cap)
+    assert ready.hit_rate == simulate(reqs, eviction_policy="belady", capacity_tokens=cap).hit_rate

@@ -32,6 +32,8 @@ def make_cache(name: str, *, page_size: int = 1, block_size: int = 16, eviction_
     future = options.pop("future", None)  # for a policy that needs_future
     if options:
         raise ValueError(f"make_cache({name!r}) takes no options {sorted(options)}")
+    if future is not None and name not in ("radix", "hash"):
+        raise ValueError(f"future= goes to a radix or hash cache's policy, not to {name!r}")
     params = dict(eviction_params or {})
     if name in ("radix", "hash"):
         policy = make_policy(eviction_policy, future, **params)

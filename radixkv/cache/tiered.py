@@ -71,7 +71,7 @@ class Tier:
                              f"{cache.page_size}")
         self.name, self.cache, self.allocator, self.shared = name, cache, allocator, shared
         self.buffer, self.medium = buffer, MEDIUM.get(name, name.upper())
-        self.exclusive = not shared and cache.policy.keeps_order_under_demotion
+        self.exclusive = not shared and getattr(getattr(cache, "policy", None), "keeps_order_under_demotion", False)
 
     def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True
               ) -> tuple[np.ndarray, np.ndarray]:

@@ -56,7 +56,7 @@ class KVPool:
         # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
         if file is None:
             self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
-        else:  # a new file of zeros, mapped shared: the OS pages it to disk (a storage tier)
+        else:  # a file of zeros (created, or extended to size), mapped shared: the OS pages it to disk
             self._use(torch.from_file(file, shared=True, size=math.prod(self.buffer_shape), dtype=dtype)
                       .view(self.buffer_shape))
 

@@ -171,9 +171,10 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     slots = config.capacity_tokens
     if slots is None:
         slots = sum(r.prompt_len + r.output_len for r in requests) + page * (len(requests) + 1)
-    future = None
     if cache is None and needs_future(config.eviction_policy):  # a clairvoyant policy knows every arrival
         future = FutureUses(_CacheablePrompts(requests), config.page_size)
+    else:  # a ready cache whose policy was handed its future marks requests served the same way
+        future = getattr(getattr(cache, "policy", None), "future", None)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
                         worth_loading=(cost or CostModel()).worth_loading, future=future)
     named = type(cache).__name__ if cache is not None else config.prefix_cache

@@ -27,7 +27,7 @@ class Belady(EvictionPolicy):
         super().__init__()
 
     def bind(self, cache: Any, live: Any = None) -> EvictionPolicy:
-        if self.future is None:
+        if not hasattr(self.future, "next_use"):  # a FutureUses (imported by nothing here: it imports the tree)
             raise ValueError("eviction policy 'belady' needs future=FutureUses(...), which only the simulator has")
         if not hasattr(cache, "namespace_of"):  # ranks a tree's leaves by their place in it
             raise ValueError("eviction_policy='belady' is implemented for the radix cache only")
