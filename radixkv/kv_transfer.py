@@ -36,8 +36,8 @@ class KVMover:
         if isinstance(pools, KVPool):  # KVMover(device, host): the two-tier spelling
             pools = {DEVICE: pools, HOST: host}
         device = pools[DEVICE]
+        same = (device.num_layers, device.num_kv_heads, device.head_dim, device.page_size, device.dtype)
         for pool in pools.values():
-            same = (device.num_layers, device.num_kv_heads, device.head_dim, device.page_size, device.dtype)
             if same != (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.dtype):
                 raise ValueError(f"the pool {pool!r} does not match the device pool {device!r}")
         self.pools = pools
@@ -85,20 +85,18 @@ class TierMemory:
 
     def buffer(self, spec: TierSpec) -> KVPool:
         """A zeroed KV buffer of ``spec.tokens`` slots for that tier, kept in ``pools``."""
-        d = self.pools[DEVICE]
-        layout = dict(num_slots=spec.tokens, page_size=d.page_size, dtype=d.dtype)
-        if spec.name == STORAGE:
-            nbytes = spec.tokens // d.page_size * d.page_size * KVPool.slot_bytes(
-                d.num_layers, d.num_kv_heads, d.head_dim, d.dtype)
+        d, path = self.pools[DEVICE], None
+        memory = {"pin_memory": d.device.type == "cuda"}
+        if spec.name == STORAGE:  # a new file, which KVPool reserves on disk and maps
             fd, path = tempfile.mkstemp(prefix="radixkv-storage-", suffix=".kv", dir=self.directory)
-            try:  # the disk space is reserved now: a tier larger than the disk fails here, not mid-serving
-                os.posix_fallocate(fd, 0, nbytes)
-                pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, file=path)
-            finally:
-                os.close(fd)
+            os.close(fd)
+            memory = {"file": path}
+        try:
+            pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, num_slots=spec.tokens, page_size=d.page_size,
+                          dtype=d.dtype, **memory)
+        finally:
+            if path is not None:
                 os.unlink(path)  # mapped: nothing is left on disk once the engine goes
-        else:
-            pool = KVPool(d.num_layers, d.num_kv_heads, d.head_dim, **layout, pin_memory=d.device.type == "cuda")
         self.pools[spec.name] = pool
         return pool
 

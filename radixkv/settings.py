@@ -69,11 +69,22 @@ def optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {  # a setting's annotation -> its type test, its name
-    "int": (is_int, "an integer"), "int|None": (is_int, "an integer"), "float": (is_real, "a finite number"),
-    "bool": (lambda v: isinstance(v, bool), "a bool"), "str": (lambda v: isinstance(v, str), "a string"),
-    "Mapping[str,Any]": (lambda v: isinstance(v, Mapping), "a mapping"),
+# A setting's annotation (a string here) -> its type test, the type's name, and what ``add_argument`` needs.
+KINDS: dict[str, tuple[Callable[[Any], bool], str, dict[str, Any]]] = {
+    "int": (is_int, "an integer", {"type": int}), "int|None": (is_int, "an integer", {"type": optional_int}),
+    "float": (is_real, "a finite number", {"type": float}),
+    "str": (lambda v: isinstance(v, str), "a string", {"type": str}),
+    "bool": (lambda v: isinstance(v, bool), "a bool", {"action": argparse.BooleanOptionalAction}),
+    "Mapping[str,Any]": (lambda v: isinstance(v, Mapping), "a mapping", {"type": json.loads}),
 }
+
+
+def _kind(f: Field) -> tuple[str, tuple[Callable[[Any], bool], str, dict[str, Any]]]:
+    """The field's annotation and its ``KINDS`` entry; ``TypeError`` for a type settings cannot take."""
+    kind = str(f.type).replace(" ", "")
+    if kind not in KINDS:
+        raise TypeError(f"setting {f.name!r}: no check or flag for type {kind}")
+    return kind, KINDS[kind]
 
 
 def problems(config: Any) -> list[str]:
@@ -81,10 +92,9 @@ def problems(config: Any) -> list[str]:
     takes None, as one of the token budgets or tier sizes), then its ``choices`` or ``minimum``. O(fields)."""
     out = []
     for f in described(type(config)):
-        value, kind, meta = getattr(config, f.name), str(f.type).replace(" ", ""), f.metadata
+        (kind, (test, what, _)), value, meta = _kind(f), getattr(config, f.name), f.metadata
         if value is None and kind.endswith("|None"):
             continue
-        test, what = KINDS[kind]
         bound = "" if meta["minimum"] is None else f" >= {meta['minimum']}"
         what += bound + (" or None (one of the token budgets or tier sizes)" if kind.endswith("|None") else "")
         if not test(value) or (bound and value < meta["minimum"]):
@@ -92,19 +102,6 @@ def problems(config: Any) -> list[str]:
         elif meta["choices"] is not None and value not in meta["choices"]:
             out.append(f"{f.name} must be one of {list(meta['choices'])}, got {value!r}")
     return out
-
-
-def _flag_kind(f: Field) -> dict[str, Any]:
-    """What ``add_argument`` needs for the field's type (annotations are strings here)."""
-    kind = str(f.type).replace(" ", "")
-    if kind == "bool":
-        return {"action": argparse.BooleanOptionalAction}
-    if kind.startswith("Mapping"):
-        return {"type": json.loads}
-    types = {"int": int, "int|None": optional_int, "float": float, "str": str}
-    if kind not in types:
-        raise TypeError(f"setting {f.name!r}: no flag for type {kind}")
-    return {"type": types[kind]}
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, names: Collection[str] | None = None, *,
@@ -119,7 +116,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, names: Collection[str]
         if (names is not None and f.name not in names) or f.name in skip:
             continue
         spellings = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
-        options = dict(_flag_kind(f), dest=f.name, default=defaults.get(f.name, default_of(f)),
+        options = dict(_kind(f)[1][2], dest=f.name, default=defaults.get(f.name, default_of(f)),
                        help=helps.get(f.name, f.metadata["help"]))
         if choices.get(f.name, f.metadata["choices"]) is not None:
             options["choices"] = list(choices.get(f.name, f.metadata["choices"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ class KVPool:
     layers' K and V are views of one buffer, which ``reallocate`` can move
     (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages). ``pin_memory``: page-locked host memory
     (a host tier beside a CUDA pool: loads from it copy without blocking the CPU). ``file``: a path to create
-    and map the buffer from instead (a storage tier on disk; CPU only).
+    (or extend), reserve on disk and map the buffer from instead (a storage tier on disk; CPU only).
     """
 
     def __init__(
@@ -56,9 +57,11 @@ class KVPool:
         # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
         if file is None:
             self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
-        else:  # a file of zeros (created, or extended to size), mapped shared: the OS pages it to disk
-            self._use(torch.from_file(file, shared=True, size=math.prod(self.buffer_shape), dtype=dtype)
-                      .view(self.buffer_shape))
+        else:  # a file of zeros, its disk space reserved (a pool larger than the disk fails here, not mid-run),
+            numel = math.prod(self.buffer_shape)  # mapped shared: the OS pages it to disk
+            with open(file, "ab") as f:
+                os.posix_fallocate(f.fileno(), 0, numel * dtype.itemsize)
+            self._use(torch.from_file(file, shared=True, size=numel, dtype=dtype).view(self.buffer_shape))
 
     @property
     def buffer_shape(self) -> tuple[int, ...]:
