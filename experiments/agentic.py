@@ -11,6 +11,11 @@ closed-loop streams with their recorded pauses) in four parts (``--parts``):
 * ``tiers``: one replica, radix LRU, with a host tier of ``--host-ratio`` x the device under each write policy.
 * ``routers``: ``--replicas`` replicas behind each router of ``--routers`` (``affinity`` told each
   replica's capacity), with the pooled references (one cache of all the memory, LRU and Belady).
+* ``sessions``: one replica, radix LRU against what knows the session (``--session-configs``, each a schedule
+  policy and an eviction policy: ``SESSION_CONFIGS``; ``ttl`` at 5 minutes and 1 hour are the production
+  baselines, ``belady`` the clairvoyant eviction), on the device alone and over a host tier of
+  ``--session-host-ratios`` x the device (``write_back``); each row also gives the sessions' time in
+  service (the sum over a session's requests of finish less ready) and the host traffic.
 * each row also splits the tokens an unlimited cache would have hit and this one missed by what the
   request waited for: a tool call (``tool_use``), a human turn (``end_turn``), an unrecorded stop, or
   nothing (a stream's first request); and gives each session's time in service (its last answer's end
@@ -49,9 +54,18 @@ from radixkv.workloads import Request, agentic
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
 RESULTS = "agentic.jsonl"
 PAGE = 64
-PARTS = ("capacity", "tiers", "routers")
+PARTS = ("capacity", "tiers", "routers", "sessions")
 AFTER = ("tool_use", "end_turn", "", None)  # what a request waited for (its parent's stop; None: nothing)
 POLICIES = (*ONLINE, "belady")  # belady: the clairvoyant reference (radix only)
+# part sessions: label -> (schedule policy, eviction policy, its parameters)
+SESSION_CONFIGS = {
+    "lru": ("fcfs", "lru", None),
+    "belady": ("fcfs", "belady", None),
+    "ttl-5m": ("fcfs", "ttl", {"ttl": 300.0}),
+    "ttl-1h": ("fcfs", "ttl", {"ttl": 3600.0}),
+    "session+lru": ("session", "lru", None),
+    "session": ("session", "session", None),
+}
 
 
 def parse_args(argv: list[str] | None):
@@ -67,6 +81,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--write-policies", default=",".join(WRITE_POLICIES), help="part tiers' write policies")
     p.add_argument("--routers", default=",".join(ROUTERS), help="part routers' routers")
     p.add_argument("--replicas", type=int, default=8, help="part routers' replicas")
+    p.add_argument("--session-configs", default=",".join(SESSION_CONFIGS),
+                   help=f"part sessions' configurations, of {tuple(SESSION_CONFIGS)}")
+    p.add_argument("--session-host-ratios", default="0,1",
+                   help="part sessions: host tokens per device token (0: the device alone)")
     p.add_argument("--max-pause", type=float, default=None, help="cap on every recorded pause, seconds")
     p.add_argument("--sessions", type=int, default=None, help="only the first N sessions of the seeded order")
     p.add_argument("--engine", action="store_true",
@@ -111,7 +129,23 @@ def grid(args) -> list[dict]:
                              "eviction_policy": "lru", "replicas": args.replicas}
                     out.append({**shape, "router": "references"})
                     out += [{**shape, "router": r} for r in names_from(args.routers, ROUTERS, "--routers")]
+                if "sessions" in parts:
+                    out += session_configs(args, {**base, "capacity_tokens": cap})
     return sorted(out, key=lambda c: (c["capacity_tokens"], c["eviction_policy"] == "belady"))
+
+
+def session_configs(args, base: dict) -> list[dict]:
+    """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio
+    (``belady`` on the device alone: the reference eviction, not a tiered one)."""
+    out = []
+    for ratio in (float(r) for r in args.session_host_ratios.split(",")):
+        for label in names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs"):
+            schedule, policy, params = SESSION_CONFIGS[label]
+            if policy != "belady" or not ratio:
+                out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
+                            "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
+                            "write_policy": "write_back" if ratio else None})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- one task
@@ -134,7 +168,9 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
     else:
         host = int(config["host_ratio"] * config["capacity_tokens"]) or None
         res = simulate(requests, eviction_policy=config["eviction_policy"], host_capacity_tokens=host,
-                       write_policy=config["write_policy"] or "write_through", **common)
+                       write_policy=config["write_policy"] or "write_through",
+                       schedule_policy=config.get("schedule_policy", "fcfs"),
+                       eviction_params=config.get("eviction_params") or {}, **common)
         rows = res.per_request
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
             "seconds": time.perf_counter() - t0}
@@ -153,14 +189,18 @@ def misses(rows: list[dict]) -> dict:
 
 
 def sessions(rows: list[dict]) -> dict:
-    """Each session's time in service (its last answer's end less its first request's send), mean and p50."""
+    """Each session's span (its last answer's end less its first request's send), mean and p50, and its
+    time in service (the sum over its requests of finish less ready: waiting and being served), mean."""
     span: dict[str, list[float]] = {}
+    service: dict[str, float] = {}
     for r in rows:
         if not r["rejected"]:
             lo, hi = span.setdefault(r["session"], [math.inf, -math.inf])
             span[r["session"]] = [min(lo, r["ready"]), max(hi, r["finish"])]
+            service[r["session"]] = service.get(r["session"], 0.0) + r["finish"] - r["ready"]
     times = np.array([hi - lo for lo, hi in span.values()]) if span else np.zeros(1)
-    return {"session_time_mean": float(times.mean()), "session_time_p50": float(np.median(times))}
+    return {"session_time_mean": float(times.mean()), "session_time_p50": float(np.median(times)),
+            "service_time_mean": float(np.mean(list(service.values()))) if service else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -181,7 +221,27 @@ def tables(rows: list[dict], bound: float) -> str:
         sel = [r for r in rows if r["config"]["part"] == part]
         if sel:
             out += part_table(sel, part)
+    sel = [r for r in rows if r["config"]["part"] == "sessions"]
+    if sel:
+        out += session_table(sel)
     return "\n".join(out).rstrip()
+
+
+def session_table(rows: list[dict]) -> list[str]:
+    """Part sessions: per capacity, concurrency and host tier, every configuration."""
+    lines = ["### sessions", "", "| device tokens | host tokens | concurrency | configuration | hit rate | TTFT mean | "
+             "TTFT p99 | time in service per session (s) | host loaded / written (M tokens) |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    order = list(SESSION_CONFIGS)
+    for r in sorted(rows, key=lambda r: (r["config"]["concurrency"], r["config"]["capacity_tokens"],
+                                         r["config"]["host_ratio"], order.index(r["config"]["label"]))):
+        c = r["config"]
+        host = c["host_ratio"] * c["capacity_tokens"]
+        lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {f'{host / 1e6:g}M' if host else '-'} | "
+                     f"{c['concurrency']:g} | {c['label']} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | "
+                     f"{r['ttft_p99']:.1f} | {r['service_time_mean']:.0f} | "
+                     f"{r['loaded_tokens'] / 1e6:.0f} / {r['written_tokens'] / 1e6:.0f} |")
+    return [*lines, ""]
 
 
 def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -133,7 +134,10 @@ class SamplingParams:
     ``priority`` (an int; larger is kept longer by the ``priority`` eviction policy) and ``ttl`` (seconds the
     cache holds the prefix this request leaves once it finishes, under the ``ttl`` policy; None: the
     policy's default) go to the prefix cache with every call made for the request, as its ``CacheHints``
-    (``cache_hints``); other eviction policies ignore them."""
+    (``cache_hints``); other eviction policies ignore them. So do ``session`` (the conversation or agent
+    session the request belongs to, any hashable; None: its own) and ``stream`` (0 its main agent, 1, 2, ...
+    its sub-agents; None: unknown), which the ``session`` schedule and eviction policies follow; the engine
+    adds how the answer ended (``CacheHints.stop``: its ``finish_reason``) to the hints of the finish."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -144,6 +148,8 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     ttl: float | None = None
+    session: Hashable = None
+    stream: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here, not where they are used: a value that failed inside a batch would stop the batch.
@@ -163,12 +169,16 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
             (is_int(self.priority), "priority must be an integer"),
             (self.ttl is None or (is_real(self.ttl) and self.ttl >= 0), "ttl must be None or a finite number >= 0"),
+            (_hashable(self.session), "session must be hashable"),
+            (self.stream is None or (is_int(self.stream) and self.stream >= 0),
+             "stream must be None or an integer >= 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        for name in ("max_new_tokens", "top_k", "seed", "priority"):  # numpy integers pass the checks; torch wants int
+        # numpy integers pass the checks; torch wants int
+        for name in ("max_new_tokens", "top_k", "seed", "priority", "stream"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "ttl"):  # a Fraction or a Decimal would fail inside the step's arithmetic
@@ -177,5 +187,13 @@ class SamplingParams:
 
     @property
     def cache_hints(self) -> CacheHints:
-        """What the prefix cache is told about this request (its ``priority`` and ``ttl``)."""
-        return CacheHints(self.priority, self.ttl)
+        """What the prefix cache is told about this request (its ``priority``, ``ttl``, ``session`` and ``stream``)."""
+        return CacheHints(self.priority, self.ttl, session=self.session, stream=self.stream)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -417,6 +417,7 @@ class LLM:
         if reason == "error":
             self.scheduler.abort(s)  # what it computed stays cached; its last token may have no KV yet
         else:
+            s.hints = s.hints._replace(stop=reason)  # how the answer ended, for the session-aware policies
             self.scheduler.finish(s, s.tokens[:-1])  # the last token's KV was never computed
 
     def _output(self, s: _Seq, reason: str, error: str | None = None) -> RequestOutput:

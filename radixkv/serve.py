@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.add_argument("--replicas", type=int, default=1, help="engines behind a router, as Ray actors when > 1")
-    p.add_argument("--router", default="round_robin", choices=sorted(ROUTER_NAMES),
+    p.add_argument("--router", default="affinity", choices=sorted(ROUTER_NAMES),
                    help="which replica serves a request (radixkv.routing)")
     p.add_argument("--router-params", type=json.loads, default=None,
                    help='the router\'s parameters as JSON, e.g. \'{"overlap_score_weight": 2}\' for kv_events')

@@ -54,7 +54,7 @@ class Cluster:
     ``make_router``'s. ``decisions``: the replica of each request routed (retries too), in routing order.
     """
 
-    def __init__(self, model: str, replicas: int = 1, router: str = "round_robin", address: str | None = None,
+    def __init__(self, model: str, replicas: int = 1, router: str = "affinity", address: str | None = None,
                  router_params: dict | None = None, num_cpus_per_replica: int = 1, **engine_settings):
         self.fleet = Fleet(_BatchReplica, model, replicas, router, address, router_params, num_cpus_per_replica,
                            engine_settings)

@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import ray
 
+from radixkv.cache.tiers import HOST
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.engine import LLM
 from radixkv.heap import freeze_startup_heap
@@ -91,6 +92,7 @@ class Fleet:
         geometry = {k: settings[k] for k in ("prefix_cache", "page_size", "block_size") if k in settings}
         self.router = make_router(router, cache_block_size=EngineConfig(**geometry).kv_page_size,
                                   **(router_params or {}))
+        self.router_params = router_params
         self.wants_events = isinstance(self.router, EventRouter)
         self.tracker = LoadTracker(replicas)
         self.decisions: list[int] = []
@@ -116,6 +118,10 @@ class Fleet:
         except ray.exceptions.RayTaskError as e:  # the engine's own error (a missing model, a bad setting)
             raise (e.cause if isinstance(e.cause, Exception) else e) from None
         self.config, self.prompts = infos[0]
+        if self.router.name == "affinity" and not self.router_params:  # the replicas' memory, now it is known
+            stack = self.config.stack
+            self.router = make_router("affinity", capacity_tokens=stack.capacity_tokens,
+                                      host_capacity_tokens=sum(t.tokens for t in stack.tiers if t.name == HOST))
 
     # ---------------------------------------------------------------- routing
     def now(self) -> float:
@@ -127,7 +133,9 @@ class Fleet:
         if not any(self.tracker.alive):
             raise RuntimeError(f"all {len(self.actors)} replicas are dead: nothing left to serve the request")
         views = self.tracker.views(self.kv_used)
-        replica = self.router.route(np.asarray(ids, dtype=np.int64), views, namespace, now=self.now())
+        # a router that follows sessions is told the request's (``SamplingParams.session``), as in the simulator
+        session = {"session": params.session} if getattr(self.router, "follows_sessions", False) else {}
+        replica = self.router.route(np.asarray(ids, dtype=np.int64), views, namespace, now=self.now(), **session)
         if not (isinstance(replica, int | np.integer) and 0 <= replica < len(views) and views[replica].alive):
             raise ValueError(f"router {self.router.name!r} returned {replica!r}, not a live replica's index")
         replica = int(replica)

@@ -16,6 +16,14 @@ With ``host_capacity_tokens`` (the replicas' host tier) the router also believes
 trimmed to device + host capacity: a prompt's prefix beyond m_r found there counts ``host_weight`` times
 (it is loaded, not computed), so m_r = device prefix + host_weight x (host prefix - device prefix).
 
+Sessions (``route(..., session=)``, the request's ``CacheHints.session``: an agent session, a conversation):
+a session's request goes to the replica its previous request went to (``session``) unless that replica is
+**past its cliff**: the contexts of the sessions active there (each session's latest request, those seen in
+the last ``session_window`` seconds) exceed its memory, ``capacity_tokens`` plus ``host_capacity_tokens``.
+Then, and for a session's first request, the rules above decide. Without ``capacity_tokens`` no replica is
+ever past its cliff. The session rule reads the cluster's clock (``now``), the same in the simulator and on
+Ray, where the clock is wall seconds.
+
 Keeping cumulative work within the slack of the mean bounds the computed-token imbalance the cluster
 reports; sending a miss to the replica with least work spreads conversations so that each replica's cache
 sees about 1/N of them, which is how N separate caches approach one pooled cache. The decisions depend
@@ -25,6 +33,7 @@ simulator and on Ray.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -39,9 +48,10 @@ class Affinity:
     """See the module docstring. O(N x (n memcmp + depth)) per request."""
 
     name = "affinity"
+    follows_sessions = True  # ``route`` takes the request's ``session``
 
     def __init__(self, capacity_tokens: int | None = None, slack: float = 0.05, host_capacity_tokens: int = 0,
-                 host_weight: float = 0.5):
+                 host_weight: float = 0.5, session_window: float = 600.0):
         self.capacity_tokens = None if capacity_tokens is None else checked_number(
             capacity_tokens, "capacity_tokens", 1, integer=True)
         self.slack = checked_number(slack, "slack")
@@ -53,24 +63,57 @@ class Affinity:
         self._host_trees = ReplicaTrees(0, self.capacity_tokens + self.host_capacity_tokens) \
             if self.host_capacity_tokens and self.capacity_tokens else None
         self._work: list[float] = []
+        self.session_window = checked_number(session_window, "session_window")
+        self._homes: dict[Hashable, tuple[int, int, float]] = {}  # session -> (replica, its context, last seen)
+        self._seen: list[tuple[float, int, Hashable]] = []  # (last seen, order, session): a heap, to expire the idle
+        self._active: list[int] = []  # per replica: context tokens of its active sessions
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
-              now: float = 0.0) -> int:
+              now: float = 0.0, session: Hashable = None) -> int:
         up = [r.index for r in alive(replicas)]
         self._work += [0.0] * (len(replicas) - len(self._work))
+        self._active += [0] * (len(replicas) - len(self._active))
         matched = self._matched(tokens, namespace, len(replicas))
         n, work = len(tokens), self._work
-        home = max(up, key=lambda i: (matched[i], -work[i], -i))
-        mean_after = (sum(work[i] for i in up) + n - matched[home]) / len(up)
-        if matched[home] and work[home] + n - matched[home] <= (1 + self.slack) * mean_after:
-            choice, why = home, "affinity"
+        kept = self._session_home(session, up, now)
+        if kept is not None:
+            choice, why = kept, "session"
         else:
-            choice = min(up, key=lambda i: (work[i] + n - matched[i], i))
-            why = "balance" if matched[home] else "new"
+            home = max(up, key=lambda i: (matched[i], -work[i], -i))
+            mean_after = (sum(work[i] for i in up) + n - matched[home]) / len(up)
+            if matched[home] and work[home] + n - matched[home] <= (1 + self.slack) * mean_after:
+                choice, why = home, "affinity"
+            else:
+                choice = min(up, key=lambda i: (work[i] + n - matched[i], i))
+                why = "balance" if matched[home] else "new"
         work[choice] += n - matched[choice]
         self._insert(choice, tokens, namespace)
+        if session is not None:
+            self._place(session, choice, n, now)
         self.counts[why] += 1
         return choice
+
+    def _session_home(self, session: Hashable, up: list[int], now: float) -> int | None:
+        """The replica the session's last request went to, if it is up and not past its cliff; else None."""
+        while self._seen and self._seen[0][0] < now - self.session_window:  # sessions gone idle leave
+            seen, _, idle = heapq.heappop(self._seen)
+            home = self._homes.get(idle)
+            if home is not None and home[2] == seen:
+                self._active[home[0]] -= home[1]
+                del self._homes[idle]
+        home = self._homes.get(session) if session is not None else None
+        if home is None or home[0] not in up:
+            return None
+        limit = None if self.capacity_tokens is None else self.capacity_tokens + self.host_capacity_tokens
+        return home[0] if limit is None or self._active[home[0]] <= limit else None
+
+    def _place(self, session: Hashable, replica: int, tokens: int, now: float) -> None:
+        old = self._homes.get(session)
+        if old is not None:
+            self._active[old[0]] -= old[1]
+        self._homes[session] = (replica, tokens, now)
+        self._active[replica] += tokens
+        heapq.heappush(self._seen, (now, self.counts.total(), session))  # one route, one order
 
     def _matched(self, tokens: np.ndarray, namespace: Hashable, replicas: int) -> list[float]:
         """Each replica's believed prefix of ``tokens``, host-tier tokens weighted by ``host_weight``."""

@@ -36,6 +36,7 @@ tokens; the simulator: the clock), and ``RequestState.reset`` is where a preempt
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,10 +134,18 @@ class Scheduler:
                                     "evicted_tokens", "evictions", "preemptions"), 0)
         self.hit_by_tier: dict[str, int] = {}  # ``cached_tokens`` by tier (a ``TieredCache``'s lower tiers)
         self.on_first_admit: Callable[[RequestState], None] | None = None
+        self.clock: Callable[[], float] = time.monotonic  # seconds, for a policy that follows sessions
+        # a policy that follows sessions is told of each request queued and finished (one written before
+        # sessions existed lacks the attribute: it follows none)
+        self.follows_sessions = bool(getattr(policy, "follows_sessions", False))
+        if self.follows_sessions:
+            policy.attach(self)
 
     def add(self, state: RequestState) -> None:
         """Queue a request (it waits behind the others)."""
         self.waiting.append(state)
+        if self.follows_sessions:
+            self.policy.added(state)
 
     # ---------------------------------------------------------------- one step
     def schedule(self) -> Batch:
@@ -234,6 +243,8 @@ class Scheduler:
         release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
                          state.node, state.namespace, state.hints)
         self.running.remove(state)
+        if self.follows_sessions:
+            self.policy.finished(state, len(sequence))
 
     def abort(self, s: RequestState) -> None:
         """Drop a waiting or running request: what it computed (its leading tokens with KV) is cached as

@@ -35,6 +35,7 @@ import numpy as np
 
 from radixkv.cache.base import MatchResult
 from radixkv.cache.radix import RadixCache
+from radixkv.scheduling.session import SessionAware
 
 
 @dataclass
@@ -54,11 +55,14 @@ class Candidate:
 
 class SchedulePolicy(Protocol):
     """``needs_match``: the caller fills each candidate's ``match``. ``sees_in_flight``: ``order`` also takes
-    ``in_flight``, the running requests whose prompts are not all computed yet."""
+    ``in_flight``, the running requests whose prompts are not all computed yet. ``follows_sessions``: the
+    scheduler also calls ``attach(scheduler)`` once, ``added(state)`` as each request is queued and
+    ``finished(state, tokens)`` as each finishes (``radixkv.scheduling.session``)."""
 
     name: str
     needs_match: bool
     sees_in_flight: bool
+    follows_sessions: bool
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]: ...
 
@@ -66,7 +70,7 @@ class SchedulePolicy(Protocol):
 class FCFS:
     """Arrival order. O(n log n)."""
 
-    name, needs_match, sees_in_flight = "fcfs", False, False
+    name, needs_match, sees_in_flight, follows_sessions = "fcfs", False, False, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         return sorted(waiting, key=lambda c: c.order)
@@ -75,7 +79,7 @@ class FCFS:
 class LongestPrefixMatch:
     """Longest cached prefix first, ties by arrival. O(n log n)."""
 
-    name, needs_match, sees_in_flight = "lpm", True, False
+    name, needs_match, sees_in_flight, follows_sessions = "lpm", True, False, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         return sorted(waiting, key=lambda c: (-c.match.length, c.order))
@@ -88,7 +92,7 @@ class DFSWeight:
     caches it falls back to longest-prefix order, which it equals on a chain.
     """
 
-    name, needs_match, sees_in_flight = "dfs-weight", True, False
+    name, needs_match, sees_in_flight, follows_sessions = "dfs-weight", True, False, False
 
     def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
         if not waiting or not all(hasattr(c.match.node, "parent") for c in waiting):
@@ -123,7 +127,7 @@ class DFSWeight:
 class RandomOrder:
     """A seeded random permutation. O(n)."""
 
-    name, needs_match, sees_in_flight = "random", False, False
+    name, needs_match, sees_in_flight, follows_sessions = "random", False, False, False
 
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
@@ -155,6 +159,9 @@ class InBatchPrefixSharing:
         if threshold < 1 or page_size < 1:
             raise ValueError(f"in-batch sharing needs threshold, page_size >= 1, got {threshold}, {page_size}")
         self.inner, self.threshold = inner, threshold
+        self.follows_sessions = getattr(inner, "follows_sessions", False)
+        if self.follows_sessions:  # what the scheduler tells the inner policy goes straight to it
+            self.attach, self.added, self.finished = inner.attach, inner.added, inner.finished
         self.page_size = page_size  # the cache's page / block: sharing below it can never be a hit
         self.name = f"{inner.name}+in-batch-sharing"
 
@@ -189,7 +196,7 @@ def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
     return policy.order(waiting, in_flight) if policy.sees_in_flight else policy.order(waiting)
 
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "random")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "session")
 
 
 def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, page_size: int = 1) -> SchedulePolicy:
@@ -198,7 +205,8 @@ def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, p
 
     Unknown names raise ``ValueError``.
     """
-    makers = {"fcfs": FCFS, "lpm": LongestPrefixMatch, "dfs-weight": DFSWeight, "random": lambda: RandomOrder(seed)}
+    makers = {"fcfs": FCFS, "lpm": LongestPrefixMatch, "dfs-weight": DFSWeight, "random": lambda: RandomOrder(seed),
+              "session": SessionAware}
     if name not in makers:
         raise ValueError(f"unknown schedule policy {name!r}; choose one of {list(POLICIES)}")
     policy = makers[name]()

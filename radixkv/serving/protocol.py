@@ -4,20 +4,50 @@ Fields follow the OpenAI API, with vLLM's choices where it is silent: ``top_k``,
 ``min_tokens`` are accepted extras (``min_tokens`` above 0 is refused: not supported), ``n`` must be 1,
 ``stop`` holds strings. ``priority`` (an integer, vLLM's extra; 0 by default) is the request's priority for
 the prefix cache (``SamplingParams.priority``: larger is kept longer by the ``priority`` eviction policy);
-anything but an integer is a 400. Unknown fields are ignored, as OpenAI does.
+anything but an integer is a 400. The session hints follow existing conventions: ``prompt_cache_key`` (OpenAI's
+key for requests that share a prefix) names the request's session (``SamplingParams.session``), and
+``cache_control`` (Anthropic's ``{"type": "ephemeral", "ttl": "5m"}``; a TTL of ``"5m"``, ``"1h"``, any
+``<number>s|m|h`` or seconds as a number) asks the cache to hold what the request leaves that long
+(``SamplingParams.ttl``); a malformed one is a 400 naming it. Unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from radixkv.config import SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class CacheControl(BaseModel):
+    """Anthropic's retention hint: hold what the request leaves for ``ttl`` (default 5 minutes, theirs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: StrictStr | StrictInt | StrictFloat = 300.0  # seconds: Anthropic's default, "5m"
+
+    @field_validator("ttl")
+    @classmethod
+    def _seconds(cls, value: str | float) -> float:
+        if isinstance(value, str):
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh])", value.strip())
+            if m is None:
+                raise ValueError(f"ttl must look like '5m', '1h' or '30s', or be seconds, got {value!r}")
+            value = float(m.group(1)) * _UNITS[m.group(2)]
+        if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"ttl must be a finite number of seconds >= 0, got {value!r}")
+        return float(value)
 
 
 class _Sampling(BaseModel):
@@ -37,6 +67,8 @@ class _Sampling(BaseModel):
     min_tokens: StrictInt = 0
     return_token_ids: StrictBool = False  # vLLM's extra: the prompt's and the completion's token ids
     priority: StrictInt = 0  # vLLM's extra: the request's priority for the prefix cache's eviction
+    prompt_cache_key: StrictStr | None = Field(default=None, min_length=1, max_length=1024)  # OpenAI's: the session
+    cache_control: CacheControl | None = None  # Anthropic's retention hint
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters (``ValueError`` for what it refuses)."""
@@ -46,7 +78,8 @@ class _Sampling(BaseModel):
             raise ValueError("min_tokens is not supported (only 0)")
         return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos,
-                              priority=self.priority)
+                              priority=self.priority, session=self.prompt_cache_key,
+                              ttl=None if self.cache_control is None else self.cache_control.ttl)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -69,7 +69,7 @@ class ClusterEngine:
     """The server's engine over ``replicas`` actors; see the module docstring. ``config`` and ``prompts`` are
     the replicas': what the routes read of an engine."""
 
-    def __init__(self, model: str, replicas: int, router: str = "round_robin", address: str | None = None,
+    def __init__(self, model: str, replicas: int, router: str = "affinity", address: str | None = None,
                  router_params: dict | None = None, num_cpus_per_replica: int = 1, **settings):
         self.fleet = Fleet(_StreamingReplica, model, replicas, router, address, router_params,
                            num_cpus_per_replica, settings)

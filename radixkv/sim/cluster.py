@@ -27,7 +27,7 @@ from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY, needs_future
 from radixkv.cache.future import FutureUses
 from radixkv.cache.tiered import Tier
-from radixkv.cache.tiers import STORAGE
+from radixkv.cache.tiers import HOST, STORAGE
 from radixkv.checks import is_int
 from radixkv.cost import CostModel
 from radixkv.routing import RoundRobin, Router, fit_router
@@ -215,7 +215,7 @@ def run_cluster(requests: list[Request], stacks: list[Stack], router: Router, co
 
 
 def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | None = None, *, replicas: int = 2,
-                     router: str | Router = "round_robin", router_params: dict | None = None,
+                     router: str | Router = "affinity", router_params: dict | None = None,
                      cost_model: CostModel | None = None, references: bool = True, preemption: bool = False,
                      **settings: Any) -> ClusterResult:
     """Replay ``requests`` over ``replicas`` simulated engines behind ``router``; see the module doc.
@@ -225,7 +225,8 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
             None); ``settings`` replace fields of it by keyword (``cache``, ``capacity_tokens`` per replica,
             ``page_size``, ... as ``simulate`` takes them). An int here is ``replicas`` (the old order).
         router: a name for ``make_router`` (with ``router_params``; a router that counts in blocks takes the
-            replicas' page or block size) or a ``Router`` object (used as is).
+            replicas' page or block size; ``affinity``, the default, the replicas' device and host tokens unless
+            given) or a ``Router`` object (used as is).
         references: also compute ``ClusterResult.references`` (two more simulations of one pooled cache);
             ``cluster_references`` gives them alone, to compute once for many routers.
     """
@@ -239,7 +240,7 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
         raise ValueError("simulate_cluster takes a cache name (each replica builds its own) and an online eviction "
                          f"policy (one that needs the future is a reference, see cluster_references), got "
                          f"{settings.get('cache')!r}, {config.eviction_policy!r}")
-    route = fit_router(router, config.kv_page_size, router_params)
+    route = fit_router(router, config.kv_page_size, memory_params(router, config, router_params))
     cost = cost_model or CostModel()
     stores = [lower_tier(config, replace(spec, shared=True)) for spec in config.tiers if spec.name == STORAGE]
     store = stores[0] if stores else None  # one store every replica reads and writes
@@ -250,6 +251,15 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
     if references:
         result.references = cluster_references(requests, replicas, config=config, cost_model=cost_model)
     return result
+
+
+def memory_params(router: str | Router, config: StackConfig, params: dict | None) -> dict | None:
+    """``params``; for ``affinity`` by name without them, the replicas' device and host tokens: what it trims
+    its beliefs to and how it tells a replica past its cliff."""
+    if router != "affinity" or params is not None:
+        return params
+    host = sum(spec.tokens for spec in config.tiers if spec.name == HOST)
+    return {"capacity_tokens": config.capacity_tokens, "host_capacity_tokens": host}
 
 
 def cluster_references(requests: Sequence[Request], replicas: int, capacity_tokens: int | None = None, *,
@@ -327,7 +337,9 @@ class _ClusterRun:
         used = [1.0 - rep.alloc.num_free / rep.alloc.capacity for rep in self.replicas]
         views = self.tracker.views(used)
         tokens = req.tokens()  # built once per request (a ``BlockPrompt`` holds its block ids only)
-        i = self.router.route(tokens, views, req.namespace, now=t)
+        # a router that follows sessions is told the request's (an agent session, a conversation)
+        session = {"session": req.session} if getattr(self.router, "follows_sessions", False) else {}
+        i = self.router.route(tokens, views, req.namespace, now=t, **session)
         if not (isinstance(i, int | np.integer) and 0 <= i < len(self.replicas)):
             raise ValueError(f"router {self.router.name!r} returned {i!r}, not a replica index")
         i = int(i)

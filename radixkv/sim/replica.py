@@ -170,6 +170,7 @@ class Replica:
         self.result = SimResult()
         self.now = 0.0
         self.future = future  # a clairvoyant policy's: told of each request once it is served
+        self.scheduler.clock = self.clock
         self.cache.clock = self.clock  # time-aware eviction reads the simulated seconds, built or handed in alike
 
     def clock(self) -> float:
@@ -188,7 +189,7 @@ class Replica:
         else:
             hints = CacheHints(req.priority, req.ttl)
             if "stream" in req.meta:  # a session of streams (an agent trace): who it is and how it ends
-                hints = hints._replace(session=req.session, stream=req.meta["stream"], stop=req.meta.get("stop"))
+                hints = hints._replace(session=req.session, stream=req.meta["stream"])
             self.scheduler.add(Running(req.rid, req.tokens() if tokens is None else tokens, req.namespace,
                                        hints=hints, req=req, ready=self.feed.ready_at[req.rid]))
 
@@ -207,6 +208,8 @@ class Replica:
     def _finish(self, run: Running) -> None:
         req = run.req
         seq = np.concatenate([run.prompt, output_tokens(req, self.feed.fresh)[:-1]])
+        if "stop" in req.meta:  # how its answer ended is known now, as an engine knows it when it stops
+            run.hints = run.hints._replace(stop=req.meta["stop"])
         self.scheduler.finish(run, seq)
         n = len(run.prompt)
         saved = self.cost.saved_prefill_time(n, run.hit)  # every tier's hits: none of them was computed

@@ -18,6 +18,7 @@ ttl        what a request leaves is held ``ttl`` seconds, then recency
 tlru       SGLang's T-LRU: entries that cannot help the TTFT tail go first
 cost       GreedyDual-Size-Frequency over the prefill time an entry saves
 learned    an online estimate of each entry's reuse, learned from the cache's own history
+session    an agent session's path: held through a tool call (learned pause), cold after a turn's end
 belady     the clairvoyant reference: farthest next use first; it ``needs_future``, which only the simulator
            has (``make_policy(name, future=FutureUses(...))``)
 =========  ==========================================================================================
@@ -37,6 +38,7 @@ from radixkv.cache.eviction.base import CLASSICAL, LRU, SLRU, EvictionPolicy, Pr
 from radixkv.cache.eviction.belady import Belady
 from radixkv.cache.eviction.learned import Learned
 from radixkv.cache.eviction.requests import TLRU, TTL, Priority
+from radixkv.cache.eviction.session import SessionRetention
 from radixkv.cache.eviction.value import Cost
 
 
@@ -55,6 +57,7 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "tlru": TLRU,
     "cost": Cost,
     "learned": Learned,
+    "session": SessionRetention,
 }
 # Policies handed the future (``needs_future``): references a simulation can run, never an engine.
 REFERENCES: dict[str, Callable[..., EvictionPolicy]] = {"belady": Belady}

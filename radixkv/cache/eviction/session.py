@@ -1,0 +1,102 @@
+"""``session``: retention that knows the agent session (what a request leaves depends on how its answer ended).
+
+An agent's answer ends in a tool call (``CacheHints.stop == "tool_use"``: the session comes back in seconds,
+with a prompt that extends this one) or ends its turn (``end_turn``: a human answers, minutes later). Told
+the stop reason with the insert a request makes when it finishes:
+
+* after a **tool call** the path is **held** for the stream kind's learned tool pause: ``hold_factor`` x the
+  mean of the pauses this cache observed (a finish with a tool call, then the same session's next match),
+  kept apart for main agents (stream 0) and sub-agents, ``hold`` seconds before any was seen;
+* after the **end of a turn** (or any other recorded end) the path is **cold**: it goes first, so under a
+  tiered cache it is the first demoted to the host tier, where it waits for the human;
+* anything else (prefill chunks, a stop not recorded) is ranked least recently used.
+
+Victims: cold entries first, then unheld ones, least recently used first; held entries only when nothing
+else is left, earliest hold end first (holds are soft: a hold never keeps an admission from memory).
+A match does not extend a hold. O(log n) per push and pop; a pop also moves lapsed holds to the unheld heap
+(each once per hold); O(1) per touched entry.
+
+Args:
+    hold: seconds a tool-call hold lasts before any pause was observed, > 0 (default 10).
+    hold_factor: the learned hold as a multiple of the mean observed tool pause, > 0 (default 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from radixkv.cache.base import CacheHints
+from radixkv.cache.eviction.base import Entry, LazyHeap, Live, check_param
+from radixkv.cache.eviction.requests import TTL
+
+TOOL_USE = "tool_use"
+COLD = -1.0  # ``entry.state`` of a path a turn ended on; a hold stores its end (> 0), 0 is unheld
+
+
+class SessionRetention(TTL):
+    """See the module doc."""
+
+    name = "session"
+    observes = True
+
+    def __init__(self, hold: float = 10.0, hold_factor: float = 2.0):
+        check_param("session", "hold", hold, 0.0)
+        check_param("session", "hold_factor", hold_factor, 0.0)
+        self.hold_s, self.hold_factor = float(hold), float(hold_factor)
+        super().__init__(hold)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cold = LazyHeap(self)
+        self.pending: dict[Hashable, tuple[float, bool]] = {}  # session -> (tool call's finish, sub-agent?)
+        self.pauses = {False: [0.0, 0], True: [0.0, 0]}  # sub-agent? -> [sum of observed tool pauses, count]
+
+    def heaps(self) -> Sequence[LazyHeap]:
+        return self.cold, self.unheld, self.held
+
+    def hold_for(self, sub_agent: bool) -> float:
+        """The learned hold after a tool call of this stream kind, seconds."""
+        total, n = self.pauses[sub_agent]
+        return self.hold_s if n == 0 else self.hold_factor * total / n
+
+    def push(self, entry: Entry) -> None:
+        if entry.state == COLD:
+            self.cold.push(entry, entry.last_access)
+        else:
+            super().push(entry)
+
+    def pop(self, live: Live) -> Entry | None:
+        entry = self.cold.pop(live)
+        return entry[1] if entry is not None else super().pop(live)
+
+    def inserted(self, entry: Entry, hints: CacheHints) -> None:
+        entry.state = self._state(hints)
+
+    def touched(self, entries: Sequence[Entry], hints: CacheHints, hit: bool) -> None:
+        if hit:
+            started = self.pending.pop(hints.session, None) if hints.session is not None else None
+            if started is not None:  # the session is back from its tool call: learn how long that took
+                total = self.pauses[started[1]]
+                total[0] += self.clock() - started[0]
+                total[1] += 1
+            return
+        state = self._state(hints)
+        for entry in entries:
+            entry.state = state if state != 0.0 or entry.state == COLD else entry.state
+
+    def _state(self, hints: CacheHints) -> float:
+        """The state a path gets from the request that left it: a hold's end, cold, or 0 (unheld)."""
+        if hints.stop == TOOL_USE:
+            sub = bool(hints.stream)
+            if hints.session is not None:
+                self.pending[hints.session] = (self.clock(), sub)
+            return self.clock() + self.hold_for(sub)
+        if hints.stop:  # a turn ended (or a length / stop string): a human answers next, if anyone
+            self.pending.pop(hints.session, None)
+            return COLD
+        return 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "hold": self.hold_s, "hold_factor": self.hold_factor,
+                "learned_hold_main": self.hold_for(False), "learned_hold_sub": self.hold_for(True)}
