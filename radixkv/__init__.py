@@ -1,5 +1,7 @@
 """radixkv: a research engine for KV-cache prefix reuse in LLM inference."""
 
+import importlib
+
 from radixkv.cache import (
     HashBlockCache,
     HashV0Cache,
@@ -15,23 +17,16 @@ from radixkv.memory import OutOfSlotsError, SlotAllocator
 
 __version__ = "0.1.0"
 
+# The engine, model and KV pool need torch; importing them lazily keeps `import radixkv` (caches, simulator)
+# torch-free and fast: each such name -> the module that defines it.
+_LAZY = {"KVPool": "radixkv.memory.kv_pool", "LLM": "radixkv.engine", "RequestOutput": "radixkv.engine",
+         "SamplingParams": "radixkv.config", "EngineConfig": "radixkv.config"}
+
 
 def __getattr__(name: str):
-    # The engine, model and KV pool need torch; importing them lazily keeps `import radixkv`
-    # (caches, simulator) torch-free and fast.
-    if name == "KVPool":
-        from radixkv.memory.kv_pool import KVPool
-
-        return KVPool
-    if name in ("LLM", "RequestOutput"):
-        from radixkv import engine
-
-        return getattr(engine, name)
-    if name in ("SamplingParams", "EngineConfig"):
-        from radixkv import config
-
-        return getattr(config, name)
-    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
 
 
 __all__ = [

@@ -62,14 +62,13 @@ class EngineConfig:
                                            "models on the CPU kernels only)")
 
     def __init__(self, model: str = "smollm2-135m", stack: StackConfig | None = None, **settings: Any) -> None:
-        own = {f.name for f in fields(self)} - {"model", "stack"}
         for f in fields(self):
-            if f.name in own:
+            if f.name not in ("model", "stack"):
                 object.__setattr__(self, f.name, settings.pop(f.name, f.default))
-        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "model", os.fspath(model) if isinstance(model, os.PathLike) else model)
         unknown = sorted(set(settings) - STACK_FIELDS - set(STACK_ALIASES))
         if unknown:
-            known = sorted(own | STACK_FIELDS | {"model", "stack"})
+            known = sorted({f.name for f in fields(self)} | STACK_FIELDS)
             raise ValueError(f"invalid EngineConfig: unknown settings {unknown}; the settings are {known} and the "
                              f"aliases {sorted(STACK_ALIASES)}")
         try:
@@ -91,16 +90,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))
-        if isinstance(self.model, os.PathLike):
-            object.__setattr__(self, "model", os.fspath(self.model))
-        problems = self._model_problems()
-        if needs_future(self.stack.eviction_policy):
-            problems.append(f"eviction_policy {self.stack.eviction_policy!r} needs the future: the simulator's only")
-        if problems:
-            raise ValueError(f"invalid EngineConfig: {problems[0]} (got {self})")
-
-    def _model_problems(self) -> list[str]:
-        types = [
+        checks = [
             (isinstance(self.stack, StackConfig), "stack must be a StackConfig"),
             (isinstance(self.model, str) and bool(self.model), "model must be a name or a path"),
             (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
@@ -108,8 +98,12 @@ class EngineConfig:
             (self.attention_backend != "flashinfer" or self.dtype in (*FLASHINFER_DTYPES, "auto"),
              f"attention_backend='flashinfer' needs dtype in {FLASHINFER_DTYPES} (FlashInfer has no float32 kernels); "
              "'auto' falls back to the PyTorch path for float32"),
+            (not needs_future(self.stack.eviction_policy),
+             f"eviction_policy {self.stack.eviction_policy!r} needs the future: the simulator's only"),
         ]
-        return problems(self) + [message for ok, message in types if not ok]
+        wrong = problems(self) + [message for ok, message in checks if not ok]
+        if wrong:
+            raise ValueError(f"invalid EngineConfig: {wrong[0]} (got {self})")
 
     @property
     def kv_page_size(self) -> int:
@@ -177,13 +171,13 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        # numpy integers pass the checks; torch wants int
-        for name in ("max_new_tokens", "top_k", "seed", "priority", "stream"):
+        # numpy integers pass the checks, but torch wants int; a Fraction or a Decimal would fail inside the step's
+        # arithmetic
+        casts = {"max_new_tokens": int, "top_k": int, "seed": int, "priority": int, "stream": int,
+                 "temperature": float, "top_p": float, "ttl": float}
+        for name, cast in casts.items():
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, int(getattr(self, name)))
-        for name in ("temperature", "top_p", "ttl"):  # a Fraction or a Decimal would fail inside the step's arithmetic
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, float(getattr(self, name)))
+                object.__setattr__(self, name, cast(getattr(self, name)))
 
     @property
     def cache_hints(self) -> CacheHints:

@@ -42,7 +42,6 @@ class StepRecord:
                    decodes=len(new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds)
 
 
-
 # The constants in seconds, those ``CostModel.fit`` calibrates (the others are bytes and bandwidths).
 TIME_CONSTANTS = ("prefill_per_token", "attention_per_pair", "decode_step", "decode_per_seq", "step_overhead")
 
@@ -178,9 +177,7 @@ class CostModel:
             if err < best:
                 best, coef = err, np.zeros(x.shape[1])
                 coef[cols] = sol / scale[cols]
-        c = [float(v) for v in coef]
-        return cls(prefill_per_token=c[0], attention_per_pair=c[1], decode_step=c[2], decode_per_seq=c[3],
-                   step_overhead=c[4])
+        return cls(**{name: float(v) for name, v in zip(TIME_CONSTANTS, coef, strict=True)})  # x's columns, in order
 
 
 def _gpu_preset(params: float, layers: int, hidden: int, kv_heads: int, gpus: int, tflops: float, hbm_tbs: float,

@@ -14,6 +14,7 @@ engine's books (``step``; docs/architecture.md, "The step's fault contract").
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -134,7 +135,7 @@ class LLM:
                                                       cfg.batch_invariant)
         self.prompts = Prompts(self.tokenizer, mc.vocab_size, mc.max_position_embeddings, self.allocator.capacity,
                                cfg.model)
-        self._next_id = 0
+        self._ids = itertools.count()  # request ids
         self._unclaimed: list[RequestOutput] = []  # finished inside generate() but added with add_request
         self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0, "saved_prefill_s": 0.0}  # the scheduler: tokens
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
@@ -165,12 +166,10 @@ class LLM:
         return self._queue(self.prompts.check(prompt, params), params, namespace)
 
     def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        generator = seeded_generator(params.seed, self.config.device)
-        self.scheduler.add(_Seq(rid, ids, namespace, hints=params.cache_hints, params=params,
-                                arrival=time.perf_counter(), generator=generator, device=self.config.device))
-        return rid
+        s = _Seq(next(self._ids), ids, namespace, hints=params.cache_hints, params=params, arrival=time.perf_counter(),
+                 generator=seeded_generator(params.seed, self.config.device), device=self.config.device)
+        self.scheduler.add(s)
+        return s.rid
 
     @property
     def waiting(self) -> list[_Seq]:
@@ -204,11 +203,10 @@ class LLM:
                 if self.waiting or self.running:
                     raise EngineStalledError(self._stalled())
                 return unclaimed
-            prefill_rows = [s.computed < len(s.prompt) for s, _ in batch]
             logits, ab, model_s = self._forward(batch)
             with deferred_interrupts():
                 self._postprocess(batch, logits, finished)
-                self._record(time.perf_counter() - t0, model_s, ab, prefill_rows)
+                self._record(time.perf_counter() - t0, model_s, ab)
                 return unclaimed + finished
         except BaseException:
             with deferred_interrupts():  # outputs first: nothing finished is lost, nothing is served twice
@@ -220,12 +218,12 @@ class LLM:
         """A request's first admission: the prefill time its cached prompt tokens saved (``stats``)."""
         self._stats["saved_prefill_s"] += self._cost.saved_prefill_time(len(s.prompt), s.hit)
 
-    def _record(self, seconds: float, model_s: float, ab: AttentionBatch, prefill_rows: list[bool]) -> None:
+    def _record(self, seconds: float, model_s: float, ab: AttentionBatch) -> None:
         self.cache.take_copies()  # done already (the mover ran each); the counters keep the totals
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
-            self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, prefill_rows))
+            self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, ab.prefilling))
 
     def abort(self, request_ids: int | Iterable[int]) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
@@ -313,8 +311,7 @@ class LLM:
         """
         s = self.scheduler.stats | self._stats
         s["hit_rate"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
-        tiers = self.scheduler.hit_by_tier
-        s["hit_tokens_by_tier"] = {name: tiers.get(name, 0) for name in self.tier_names}
+        s["hit_tokens_by_tier"] = {name: self.scheduler.hit_by_tier.get(name, 0) for name in self.tier_names}
         s["loaded_tokens"] = sum(self.cache.loaded_tokens.values())
         s["written_tokens"] = sum(self.cache.written_tokens.values())
         s["overhead_share"] = 1 - s["model_s"] / s["step_s"] if s["step_s"] else 0.0
@@ -399,8 +396,7 @@ class LLM:
                 self._finish(s, "error", finished, error=f"sampling failed: {type(err).__name__}: {err}")
                 continue
             s.emit(tok, now)
-            reason = self._done(s, tok)
-            if reason:
+            if reason := self._done(s, tok):
                 self._finish(s, reason, finished)
 
     def _done(self, s: _Seq, tok: int) -> str | None:
@@ -411,8 +407,7 @@ class LLM:
     def _finish(self, s: _Seq, reason: str, finished: list[RequestOutput], error: str | None = None) -> None:
         """Deliver the output first, then release: a failure in between never loses the request (``recover``
         drops a finished one) and at worst leaves its KV uncached."""
-        out = self._output(s, reason, error)
-        finished.append(out)
+        finished.append(self._output(s, reason, error))
         s.finished = True
         if reason == "error":
             self.scheduler.abort(s)  # what it computed stays cached; its last token may have no KV yet
@@ -437,6 +432,7 @@ class LLM:
                 f"{self.allocator.num_free}, evictable {self.cache.evictable_size}, protected (locked) "
                 f"{self.cache.protected_size} of {self.allocator.capacity}; {len(self.running)} running, "
                 f"{len(self.waiting)} waiting")
+
 
 def default_kv_tokens(bytes_per_slot: int, device: str = "cpu") -> int:
     """KV pool size when none is given: a quarter of the memory available now, at least 1,024 and at

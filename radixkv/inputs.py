@@ -109,10 +109,15 @@ def batch_arguments(prompts, sampling_params) -> tuple[list, list[SamplingParams
     if isinstance(prompts, bytes | bytearray | set | frozenset | dict | Integral) or not (
             isinstance(prompts, str | Sequence) or hasattr(prompts, "ndim")):
         raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
-    if isinstance(prompts, str) or _is_token_list(prompts):
+    # one prompt of token ids (a list of ints, or a 1-D array or tensor) rather than a list of prompts
+    token_ids = prompts.ndim == 1 if hasattr(prompts, "ndim") else bool(prompts) and isinstance(prompts[0], Integral)
+    if isinstance(prompts, str) or token_ids:
         prompts = [prompts]
     one = sampling_params is None or isinstance(sampling_params, SamplingParams)
-    params = [sampling_params] * len(prompts) if one else _as_list(sampling_params)
+    if not one and (isinstance(sampling_params, str | bytes | dict) or not isinstance(sampling_params, Sequence)):
+        raise ValueError("sampling_params must be SamplingParams, None, or a list of them, one per prompt; "
+                         f"got {type(sampling_params).__name__}")
+    params = [sampling_params] * len(prompts) if one else list(sampling_params)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     return list(prompts), [sampling_params_of(sp) for sp in params]
@@ -126,16 +131,3 @@ def sampling_params_of(params: object) -> SamplingParams:
         raise ValueError(f"sampling params must be SamplingParams or None, got {type(params).__name__}")
     return params
 
-
-def _as_list(params: object) -> list:
-    if isinstance(params, str | bytes | dict) or not isinstance(params, Sequence):
-        raise ValueError("sampling_params must be SamplingParams, None, or a list of them, one per prompt; "
-                         f"got {type(params).__name__}")
-    return list(params)
-
-
-def _is_token_list(prompts) -> bool:
-    """Whether ``generate``'s argument is one prompt of token ids rather than a list of prompts."""
-    if hasattr(prompts, "ndim"):  # a numpy array or a tensor: 1-D is one prompt
-        return prompts.ndim == 1
-    return bool(prompts) and isinstance(prompts[0], Integral)

@@ -49,7 +49,6 @@ class KVMover:
         if self.stream is None:
             dst.scatter(dst_idx, src.gather(src_idx))
             return
-        compute = torch.cuda.current_stream(self.stream.device)
         if dst.device.type == "cuda":  # a load: pinned staging, then asynchronous on the side stream
             staging = torch.empty((src.num_layers, 2, len(src_idx), src.num_kv_heads, src.head_dim),
                                   dtype=src.dtype, pin_memory=True)
@@ -57,7 +56,7 @@ class KVMover:
             with torch.cuda.stream(self.stream):
                 dst.scatter(dst_idx, staging.to(dst.device, non_blocking=True))
             return
-        self.stream.wait_stream(compute)  # the KV it copies is computed
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the KV it copies is computed
         with torch.cuda.stream(self.stream):
             kv = src.gather(src_idx).to("cpu")  # a write: the CPU waits for it (see the module docstring)
         dst.scatter(dst_idx, kv)

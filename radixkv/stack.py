@@ -100,21 +100,15 @@ class StackConfig:
         wrong = problems(self)
         if wrong:
             return wrong
-        checks = [
-            (not self.tiered or self.prefix_cache in TIERED_CACHES,
-             f"host and storage tiers work with the caches {TIERED_CACHES}"),
-            (not self.tiered or not needs_future(self.eviction_policy),
-             "tiers take an online eviction_policy (one that needs no future)"),
-        ]
-        return [message for ok, message in checks if not ok] + self._policy_problems()
-
-    def _policy_problems(self) -> list[str]:
-        """What ``make_policy`` says of the eviction policy's parameters."""
-        try:
+        if self.tiered and self.prefix_cache not in TIERED_CACHES:
+            wrong.append(f"host and storage tiers work with the caches {TIERED_CACHES}")
+        if self.tiered and needs_future(self.eviction_policy):
+            wrong.append("tiers take an online eviction_policy (one that needs no future)")
+        try:  # what ``make_policy`` says of the eviction policy's parameters
             make_policy_named(self.eviction_policy, **self.eviction_params)
         except ValueError as e:
-            return [str(e)]
-        return []
+            wrong.append(str(e))
+        return wrong
 
     @property
     def tiers(self) -> list[TierSpec]:

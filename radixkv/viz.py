@@ -44,21 +44,18 @@ def cached_length(tree: dict[str, Any], tokens: Sequence[int]) -> int:
     """How many leading ``tokens`` the snapshot holds (walking edges; may end inside one)."""
     tokens, node, off = tuple(tokens), tree, 0
     while off < len(tokens) and node["children"]:
-        rest = tokens[off:]
-        best, common = None, 0
-        for child in node["children"]:
-            edge = child["tokens"]
-            n = next((i for i, (a, b) in enumerate(zip(edge, rest, strict=False)) if a != b),
-                     min(len(edge), len(rest)))
-            if n > common:
-                best, common = child, n
-        if best is None:
-            break
+        shared = [_common_length(child["tokens"], tokens[off:]) for child in node["children"]]
+        common = max(shared)
         off += common
-        if common < len(best["tokens"]):
+        node = node["children"][shared.index(common)]  # the first child sharing the most
+        if not 0 < common == len(node["tokens"]):  # ends inside the edge (or shares nothing)
             break
-        node = best
     return off
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass
@@ -120,10 +117,8 @@ class TreeRecorder:
 
     def step(self) -> tuple[dict[str, Any], TreeDiff]:
         """The cache's tree now and its diff against the previous call (or construction)."""
-        after = snapshot(self.cache)
-        diff = diff_trees(self.last, after)
-        self.last = after
-        return after, diff
+        before, self.last = self.last, snapshot(self.cache)
+        return self.last, diff_trees(before, self.last)
 
 
 def edge_label(tokens: Sequence[int], decode: Decode | None = None, max_label: int = 36, wrap: int = 14) -> str:
@@ -233,11 +228,10 @@ def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: I
         status = item["status"]
         label = edge_label(item["edge"], decode, max_label, wrap) + (_stats_line(item) if stats else "")
         ghost = status == "evicted"
-        text = ax.text(item["x"], item["y"], label, ha="center", va="center", fontsize=fontsize, zorder=3,
-                       alpha=0.8 if ghost else 1.0, linespacing=1.1,
-                       bbox=dict(boxstyle="round,pad=0.35", fc=FACE[status], ec=EDGE[status],
-                                 ls="--" if ghost else "-", lw=1.6 if status != "cached" else 0.8))
-        text.set_gid(status)
+        ax.text(item["x"], item["y"], label, ha="center", va="center", fontsize=fontsize, zorder=3,
+                alpha=0.8 if ghost else 1.0, linespacing=1.1, gid=status,
+                bbox=dict(boxstyle="round,pad=0.35", fc=FACE[status], ec=EDGE[status],
+                          ls="--" if ghost else "-", lw=1.6 if status != "cached" else 0.8))
     ax.set_xlim(-0.7, max(leaves, 1) - 0.3)
     ax.set_ylim(-depth - 0.6, 0.5)
     if title:
@@ -260,7 +254,6 @@ def draw_blocks(tree: Any, ax: Any = None, *, decode: Decode | None = None, titl
     """
     from matplotlib.patches import Rectangle
 
-    tree = snapshot(tree)
     chains, seen = [], set()
 
     def walk(node: dict[str, Any], chain: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
@@ -270,7 +263,7 @@ def draw_blocks(tree: Any, ax: Any = None, *, decode: Decode | None = None, titl
         if not node["children"] and chain:
             chains.append(chain)
 
-    walk(tree, [], ())
+    walk(snapshot(tree), [], ())
     width = max((len(c) for c in chains), default=1)
     ax = _axes(ax, (max(4.0, (0.3 + 0.07 * wrap) * width), max(1.5, 0.8 * len(chains) + 0.6)))
     for row, chain in enumerate(chains):

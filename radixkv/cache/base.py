@@ -166,6 +166,32 @@ class PrefixCache(Protocol):
     def pretty_print(self) -> str: ...
 
 
+class CacheBooks:
+    """What the caches compute alike from their own books (``total_size``, ``protected_size``, ``page_size``,
+    ``_queried_tokens`` and ``_hit_tokens``). O(1) each."""
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens ``evict`` could free now: every one no lock protects."""
+        return self.total_size - self.protected_size
+
+    def stats(self) -> dict[str, float]:
+        """Token-weighted lookup statistics since construction or ``reset``."""
+        q, h = self._queried_tokens, self._hit_tokens
+        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (whole pages or blocks)."""
+        return num_tokens - num_tokens % self.page_size
+
+
+def positive_size(name: str, value: object) -> int:
+    """``value``, a page or block size, as an int; ``ValueError`` unless it is an integer >= 1."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 class LockError(RuntimeError, ValueError):
     """Unlocking a handle whose lock count is already zero (or that holds no
     lock of its own), or locking a handle whose node is no longer in the cache. It is a ``RuntimeError`` (a

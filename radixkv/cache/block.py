@@ -1,5 +1,5 @@
 """``Block`` and ``BlockChain``: the cached blocks of :class:`~radixkv.cache.hash_block.HashBlockCache` and
-the handles its ``match_prefix`` returns."""
+the handles its ``match_prefix`` returns; ``BlockBooks``, the sizes both hash caches count alike."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from radixkv.cache.base import CacheBooks, positive_size
 from radixkv.cache.block_hash import LE_INT64, BlockKey
 
 
@@ -25,18 +26,16 @@ class Block:
         "last_access", "hit_count", "created", "stamp", "cached", "depth", "user", "state",
     )
 
-    def __init__(self, key: BlockKey, parent_key: BlockKey, tokens: bytes, slots: np.ndarray, now: int):
+    def __init__(self, key: BlockKey, parent_key: BlockKey, tokens: bytes, slots: np.ndarray, now: int, depth: int = 0):
         self.key = key
         self.parent_key = parent_key
         self.tokens = tokens  # int64 little-endian bytes
         self.slots = slots
-        self.lock_count = self.own_lock_count = self.num_children = 0
-        self.last_access = now
-        self.hit_count = 0
-        self.created = now
+        self.lock_count = self.own_lock_count = self.num_children = self.hit_count = 0
+        self.last_access = self.created = now
         self.stamp = -1
         self.cached = True
-        self.depth = 0  # tokens before the block, for eviction policies (as ``user`` and ``state``)
+        self.depth = depth  # tokens before the block, for eviction policies (as ``user`` and ``state``)
         self.user: object = None
         self.state: object = None
 
@@ -56,3 +55,25 @@ class BlockChain(NamedTuple):
     @property
     def length_blocks(self) -> int:
         return len(self.blocks)
+
+
+class BlockBooks(CacheBooks):
+    """The sizes of a cache of whole blocks of ``block_size`` tokens (``HashBlockCache``, ``HashV0Cache``), from
+    its ``_blocks`` and ``_protected_blocks``. O(1) each."""
+
+    def __init__(self, block_size: int):
+        self.block_size = positive_size("block_size", block_size)
+
+    @property
+    def page_size(self) -> int:
+        """Slots per KV page (what callers generic over caches read): one block fills a page, so ``block_size``."""
+        return self.block_size
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in blocks with a positive lock count."""
+        return self._protected_blocks * self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)

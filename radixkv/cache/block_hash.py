@@ -188,11 +188,8 @@ class BlockHasher:
             return
         step = 8 * self.block_size
         slot = (self.seed(namespace), data[:step])
-        chains = self._memo.get(slot)
-        if chains is None:
-            chains = self._memo[slot] = deque()
-        else:
-            self._memo.move_to_end(slot)
+        chains = self._memo.setdefault(slot, deque())
+        self._memo.move_to_end(slot)  # the most recently used first block
         covered = data if len(keys) * step == len(data) else data[: len(keys) * step]
         if chains and covered.startswith(chains[-1][0]):
             self.memo_size -= _chain_bytes(chains.pop())  # the newest chain extends the previous one: keep the longer

@@ -55,18 +55,13 @@ class FreeQueue:
     def ready(self, item: Any) -> None:
         """Nothing: ``item``'s children were queued ahead of it, so it is already where it can leave."""
 
-    def remove(self, item: Any) -> None:
-        """Take ``item`` out if it is queued."""
-        self._items.pop(item, None)
-
     def demote(self, chain: Sequence[Any]) -> None:
         """Move the tail of ``chain`` (entries root side first, each chaining from the one before) to the head,
         last entry first, as far up as each queued entry chains to nothing but the next (``num_children``):
         an entry with another child stays behind that child."""
         movable = []
-        for i in range(len(chain) - 1, -1, -1):
-            item, children = chain[i], 0 if i == len(chain) - 1 else 1
-            if item not in self._items or item.num_children != children:
+        for item in reversed(chain):  # the chain's last entry has no child, each other one the next entry
+            if item not in self._items or item.num_children != (1 if movable else 0):
                 break
             movable.append(item)
         for item in reversed(movable):  # root side first: the chain's last entry ends at the head
@@ -137,9 +132,6 @@ class PolicyFreeQueue:
         """Rank ``item`` again if ``pop`` passed over it (it may leave now); otherwise nothing. O(log n)."""
         if item.stamp == _PASSED_OVER and item in self._members:
             self._policy.push(item)
-
-    def remove(self, item: Any) -> None:
-        self._members.discard(item)
 
     def demote(self, chain: Sequence[Any]) -> None:
         """Re-rank the queued entries of ``chain`` (their ``last_access`` just dropped)."""

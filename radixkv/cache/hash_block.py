@@ -39,22 +39,23 @@ from radixkv.cache.base import (
     all_unique,
     as_token_array,
 )
-from radixkv.cache.block import Block, BlockChain
+from radixkv.cache.block import Block, BlockBooks, BlockChain
 from radixkv.cache.block_hash import LE_INT64, BlockHasher, BlockKey
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
 from radixkv.cache.eviction import EvictionPolicy, make_policy, policy_clock
 from radixkv.cache.free_queue import FreeQueue, PolicyFreeQueue
 from radixkv.cache.hash_block_checks import check_children_first, check_lock_counts, check_tree
 from radixkv.cache.invariants import requirer
-from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
+from radixkv.cache.render import block_tree, draw_block_tree
 from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _LOCK_COUNT = attrgetter("lock_count")
 _HAS_CHILDREN = attrgetter("num_children")
+_DEPTH = attrgetter("depth")
 
 
-class HashBlockCache(Untiered):
+class HashBlockCache(BlockBooks, Untiered):
     """Prefix cache of full KV blocks keyed by chained block hashes (vLLM's APC).
 
     Args:
@@ -86,9 +87,7 @@ class HashBlockCache(Untiered):
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
     def __init__(self, block_size: int = 16, hash_algo: str = "sha256", eviction_policy: str | EvictionPolicy = "lru"):
-        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.block_size = int(block_size)
+        super().__init__(block_size)
         self._keys = BlockHasher(self.block_size, hash_algo, self.MEMO_ENTRIES, self.MEMO_CHAINS)
         self._hash = self._keys.hash  # the chain step, read on the lookup's hot path
         self.policy = make_policy(eviction_policy).bind(self)
@@ -97,26 +96,18 @@ class HashBlockCache(Untiered):
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
 
-    @property
-    def page_size(self) -> int:
-        """Slots per KV page (what callers generic over caches read): one block fills a page, so ``block_size``."""
-        return self.block_size
-
     def reset(self) -> None:
         """Drop every block (old handles can no longer be locked); clock and statistics at zero. O(blocks)."""
         for block in getattr(self, "_blocks", {}).values():
             block.cached = False  # old handles can neither lock nor unlock these again
             block.lock_count = block.own_lock_count = 0
-        self._clock = 0
         self._blocks: dict[BlockKey, Block] = {}
         self.policy.reset()
         if self.policy.release_order:  # lru: vLLM's release-order queue
             self._queue: FreeQueue | PolicyFreeQueue = FreeQueue()
         else:  # ranks by the blocks' own statistics: it must pass over a block whose children are cached
             self._queue = PolicyFreeQueue(self.policy, waits=_HAS_CHILDREN)
-        self._protected_blocks = 0
-        self._queried_tokens = 0
-        self._hit_tokens = 0
+        self._clock = self._protected_blocks = self._queried_tokens = self._hit_tokens = 0
         self._first_blocks: dict[BlockKey, int] = {}  # seed -> cached blocks chaining from it
         for seed in self._keys.seeds():
             self._keys.release(seed)
@@ -144,25 +135,6 @@ class HashBlockCache(Untiered):
     def total_size(self) -> int:
         """Tokens held in cached blocks."""
         return len(self._blocks) * self.block_size
-
-    @property
-    def protected_size(self) -> int:
-        """Tokens in blocks with a positive lock count."""
-        return self._protected_blocks * self.block_size
-
-    @property
-    def evictable_size(self) -> int:
-        """Tokens ``evict`` could free now (every unlocked block, children first)."""
-        return self.total_size - self.protected_size
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._blocks)
-
-    def stats(self) -> dict[str, float]:
-        """Token-weighted lookup statistics since construction or ``reset`` (as vLLM reports them)."""
-        q, h = self._queried_tokens, self._hit_tokens
-        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
 
     def block_keys(self, tokens: TokenSeq, namespace: Hashable = None) -> list[BlockKey]:
         """The chained key of every full block of ``tokens`` (memoized as ``match_prefix``'s). O(blocks)."""
@@ -265,8 +237,7 @@ class HashBlockCache(Untiered):
             self._first_blocks[parent_key] = self._first_blocks.get(parent_key, 0) + 1
         new: list[Block] = []
         for i, h, slots in zip(range(leading, len(keys)), keys[leading:], rows, strict=True):
-            block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now)
-            block.depth = i * bs
+            block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now, i * bs)
             blocks[h] = block
             new.append(block)
             parent_key = h
@@ -292,9 +263,8 @@ class HashBlockCache(Untiered):
         handle of another cache or with an evicted block."""
         blocks = self._own(node, "lock")
         first_locks = [block for block in blocks if not block.lock_count]
-        if first_locks:
-            self._queue.remove_many(first_locks)
-            self._protected_blocks += len(first_locks)
+        self._queue.remove_many(first_locks)
+        self._protected_blocks += len(first_locks)
         for block in blocks:
             block.lock_count += 1
         if blocks:
@@ -430,22 +400,12 @@ class HashBlockCache(Untiered):
 
     def unlock_all(self) -> None:
         """Drop every lock (a caller's books lost after a failed step); blocks stay, joining the queue
-        deepest first (children before parents). O(b x depth)."""
+        deepest first (children before parents: a cached block's whole chain is cached). O(b log b)."""
         locked = [block for block in self._blocks.values() if block.lock_count]
         for block in locked:
             block.lock_count = block.own_lock_count = 0
         self._protected_blocks = 0
-        self._queue.push_reversed(sorted(locked, key=self._depth))
-
-    def _depth(self, block: Block) -> int:
-        depth = 0
-        while block.parent_key in self._blocks:
-            block, depth = self._blocks[block.parent_key], depth + 1
-        return depth
-
-    def cacheable_length(self, num_tokens: int) -> int:
-        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (full blocks)."""
-        return num_tokens - num_tokens % self.block_size
+        self._queue.push_reversed(sorted(locked, key=_DEPTH))
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:
@@ -476,17 +436,8 @@ class HashBlockCache(Untiered):
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The cached blocks of one namespace as a tree of nested dicts (one node per block). O(blocks)."""
-        children: dict[Hashable, list[Block]] = {}
-        for block in self._blocks.values():
-            children.setdefault(block.parent_key, []).append(block)
-
-        def walk(block: Block) -> dict[str, Any]:
-            return entry_dict(np.frombuffer(block.tokens, dtype=LE_INT64).tolist(), block.slots.tolist(), block,
-                              [walk(c) for c in children.get(block.key, [])])
-
-        tree = empty_tree()
-        tree["children"] = [walk(b) for b in children.get(self._keys.seed(namespace), [])]
-        return tree
+        return block_tree(self._blocks.values(), self._keys.seed(namespace),
+                          lambda block: np.frombuffer(block.tokens, dtype=LE_INT64).tolist())
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's block tree plus queue statistics. O(blocks)."""

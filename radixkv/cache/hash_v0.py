@@ -58,9 +58,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from radixkv.cache.base import NO_HINTS, CacheHints, LockError, MatchResult, TokenSeq, all_unique, as_token_array
+from radixkv.cache.block import BlockBooks
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheListener
 from radixkv.cache.invariants import requirer
-from radixkv.cache.render import draw_block_tree, empty_tree, entry_dict
+from radixkv.cache.render import block_tree, draw_block_tree
 from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -107,7 +108,7 @@ class V0Chain(NamedTuple):
     owner: Any = None
 
 
-class HashV0Cache(Untiered):
+class HashV0Cache(BlockBooks, Untiered):
     """Prefix cache of full blocks keyed by hashes of whole prefixes, with v0's LRU evictor.
 
     Args:
@@ -131,21 +132,14 @@ class HashV0Cache(Untiered):
     caches_during_decode = True  # a block filled while decoding is cached at once (v0's promotion)
 
     def __init__(self, block_size: int = 16, eviction_policy: str = "lru"):
-        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        super().__init__(block_size)
         if eviction_policy != "lru":
             raise ValueError(f"HashV0Cache has only v0's evictor, eviction_policy='lru'; got {eviction_policy!r}")
-        self.block_size = int(block_size)
         self.eviction_policy = eviction_policy
         self.hash_algo = "builtin"
         self.clock: Callable[[], float] = time.monotonic  # the protocol's; v0's evictor reads its own ticks
         self.listener: CacheListener | None = None  # called with every CacheEvent; kept across reset
         self.reset()
-
-    @property
-    def page_size(self) -> int:
-        """Slots per KV page (what callers generic over caches read): one block fills a page, so ``block_size``."""
-        return self.block_size
 
     def reset(self) -> None:
         """Drop every block and spare slot (old handles can no longer be locked); counters at zero. O(blocks)."""
@@ -155,7 +149,7 @@ class HashV0Cache(Untiered):
         self._blocks: dict[tuple[int, Hashable], V0Block] = {}  # (key, namespace): namespaces by equality
         self._spare: list[np.ndarray] = []  # callers' copies of blocks the table already held (see insert)
         self._heap: list[tuple[int, int, int, V0Block]] = []  # (last_access, -hashed tokens, seq, block), lazy
-        self._spare_tokens = self._seq = self._unlocked = self._protected_blocks = self._clock = 0
+        self._spare_tokens = self._seq = self._protected_blocks = self._clock = 0
         self._queried_tokens = self._hit_tokens = self._hashed_tokens = 0
         self.root = V0Chain((), self)
         if self.listener is not None:
@@ -167,25 +161,9 @@ class HashV0Cache(Untiered):
         """Tokens held: cached blocks (stranded ones included) plus spare slots awaiting ``evict``."""
         return len(self._blocks) * self.block_size + self._spare_tokens
 
-    @property
-    def protected_size(self) -> int:
-        """Tokens in blocks with a positive lock count."""
-        return self._protected_blocks * self.block_size
-
-    @property
-    def evictable_size(self) -> int:
-        """Tokens ``evict`` could free now: every unlocked block and the spare slots."""
-        return self.total_size - self.protected_size
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._blocks)
-
     def stats(self) -> dict[str, float]:
         """Token-weighted lookup statistics and the tokens hashed since construction or ``reset``."""
-        q, h = self._queried_tokens, self._hit_tokens
-        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0,
-                "hashed_tokens": self._hashed_tokens}
+        return {**super().stats(), "hashed_tokens": self._hashed_tokens}
 
     def hash_of_block(self, tokens: list[int], index: int, namespace: Hashable = None) -> tuple[int, tuple]:
         """v0's ``hash_of_block``: ``(hash((prefix, namespace)), prefix)`` with prefix = the tokens up to the
@@ -246,7 +224,6 @@ class HashV0Cache(Untiered):
                     leading = i
                 block = V0Block(key, parent, namespace, prefix[-bs:], idx[i * bs : (i + 1) * bs].copy(), self._clock)
                 self._blocks[(key, namespace)] = block
-                self._unlocked += 1
             covered.append(block)
             parent = block
         self._touch(covered)
@@ -270,7 +247,6 @@ class HashV0Cache(Untiered):
         for block in blocks:
             if not block.lock_count:
                 self._protected_blocks += 1
-                self._unlocked -= 1
             block.lock_count += 1
         if blocks:
             blocks[-1].own_lock_count += 1
@@ -295,7 +271,6 @@ class HashV0Cache(Untiered):
             block.lock_count -= 1
             if not block.lock_count:
                 self._protected_blocks -= 1
-                self._unlocked += 1
         self._clock += 1
         self._touch(blocks)
 
@@ -337,7 +312,6 @@ class HashV0Cache(Untiered):
         whole (None without a listener). O(1)."""
         del self._blocks[(block.key, block.namespace)]
         block.cached = False
-        self._unlocked -= 1
         return None if self.listener is None else BlockRemoved(((block.key, block.namespace),), block.namespace)
 
     def _strand(self, block: V0Block) -> BlockRemoved | None:
@@ -364,13 +338,8 @@ class HashV0Cache(Untiered):
         locked = [block for block in self._blocks.values() if block.lock_count]
         for block in locked:
             block.lock_count = block.own_lock_count = 0
-        self._unlocked += len(locked)
         self._protected_blocks = 0
         self._touch(locked)
-
-    def cacheable_length(self, num_tokens: int) -> int:
-        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (full blocks)."""
-        return num_tokens - num_tokens % self.block_size
 
     # ------------------------------------------------------------- internals
     def _check_owner(self, node: Any) -> None:
@@ -390,7 +359,7 @@ class HashV0Cache(Untiered):
                 self._seq += 1
                 block.stamp = self._seq
                 heapq.heappush(self._heap, (now, -block.num_hashed_tokens, self._seq, block))
-        if len(self._heap) > 2 * self._unlocked + 64:
+        if len(self._heap) > 2 * (len(self._blocks) - self._protected_blocks) + 64:  # 2 x the unlocked blocks
             self._heap = [e for e in self._heap if self._live(e[2], e[3])]
             heapq.heapify(self._heap)
 
@@ -421,7 +390,6 @@ class HashV0Cache(Untiered):
             require(block.lock_count == through.get(id(block), 0), "lock_count = own locks of the handles through it",
                     block)
         require(locked == self._protected_blocks, "sizes: protected", (locked, self._protected_blocks))
-        require(len(self._blocks) - locked == self._unlocked, "sizes: unlocked", (locked, self._unlocked))
         require(self._spare_tokens == sum(len(s) for s in self._spare), "sizes: spare slots")
         require(self.total_size == self.evictable_size + self.protected_size, "sizes: total = evictable + protected")
         live = {id(e[3]) for e in self._heap if self._live(e[2], e[3])}
@@ -436,16 +404,8 @@ class HashV0Cache(Untiered):
 
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         """The reachable blocks of one namespace as a tree of nested dicts (stranded blocks left out). O(blocks)."""
-        children: dict[int | None, list[V0Block]] = {}
-        for block in self._blocks.values():
-            if block.namespace == namespace:
-                children.setdefault(block.parent_key, []).append(block)
-
-        def walk(block: V0Block) -> dict[str, Any]:
-            return entry_dict(list(block.tokens), block.slots.tolist(), block,
-                              [walk(c) for c in children.get(block.key, [])])
-
-        return empty_tree([walk(b) for b in children.get(None, [])])
+        blocks = [block for block in self._blocks.values() if block.namespace == namespace]
+        return block_tree(blocks, None, lambda block: list(block.tokens))
 
     def pretty_print(self) -> str:
         """Text drawing of the default namespace's reachable blocks plus sizes. O(blocks)."""

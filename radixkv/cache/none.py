@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.base import NO_HINTS, CacheHints, MatchResult, TokenSeq, as_token_array
+from radixkv.cache.base import NO_HINTS, CacheBooks, CacheHints, MatchResult, TokenSeq, as_token_array
 from radixkv.cache.events import CacheListener
 from radixkv.cache.render import empty_tree
 from radixkv.cache.tiers import Untiered
@@ -16,7 +16,7 @@ from radixkv.cache.tiers import Untiered
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-class NoPrefixCache(Untiered):
+class NoPrefixCache(CacheBooks, Untiered):
     """Never matches and stores nothing, behind the same surface as the real caches.
 
     ``insert`` returns 0 and keeps no slot (``cacheable_length`` is 0), so the
@@ -35,7 +35,7 @@ class NoPrefixCache(Untiered):
         self.reset()
 
     def reset(self) -> None:
-        self._queried_tokens = 0
+        self._queried_tokens = self._hit_tokens = 0  # nothing ever hits
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         self._queried_tokens += len(as_token_array(tokens))  # checked like the other caches' inputs
@@ -69,11 +69,7 @@ class NoPrefixCache(Untiered):
         """Nothing to unlock."""
 
     total_size = property(lambda self: 0)
-    evictable_size = property(lambda self: 0)
     protected_size = property(lambda self: 0)
-
-    def stats(self) -> dict[str, float]:
-        return {"queried_tokens": self._queried_tokens, "hit_tokens": 0, "hit_rate": 0.0}
 
     def check_invariants(self) -> None:
         """Nothing to check: the cache holds no state but a counter."""

@@ -33,12 +33,14 @@ import numpy as np
 
 from radixkv.cache.base import (
     NO_HINTS,
+    CacheBooks,
     CacheHints,
     Evicted,
     LockError,
     MatchResult,
     TokenSeq,
     as_token_array,
+    positive_size,
 )
 from radixkv.cache.events import AllBlocksCleared, CacheListener
 from radixkv.cache.eviction import EvictionPolicy, make_policy, policy_clock
@@ -52,7 +54,7 @@ _ITEM = 8  # bytes per token id (int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-class RadixCache(Untiered):
+class RadixCache(CacheBooks, Untiered):
     """Token-level radix tree mapping token prefixes to KV slot indices.
 
     Args:
@@ -84,9 +86,7 @@ class RadixCache(Untiered):
     caches_during_decode = False  # generated tokens join the cache at finish (see PrefixCache)
 
     def __init__(self, page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru"):
-        if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
-        self.page_size = int(page_size)
+        self.page_size = positive_size("page_size", page_size)
         self.policy = make_policy(eviction_policy).bind(self, self._live)  # its heaps compact themselves
         self.eviction_policy = self.policy.name
         self._observes = self.policy.observes  # read on every match, insert and eviction
@@ -97,18 +97,13 @@ class RadixCache(Untiered):
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Drop everything: an empty tree, clock and statistics at zero. O(N): CPython frees the old nodes now."""
-        self._clock = 0
         self.root = RadixNode(b"", _EMPTY, None, 0)
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
-        self._namespace_of: dict[int, Hashable] = {id(self.root): None}  # id(root) -> its namespace
-        self._root_ids = {id(self.root)}  # the current roots; a namespace's goes once it holds nothing
-        self._old_root_ids: set[int] = set()  # handles to those stay valid (locking a root does nothing)
+        # id(root) -> its namespace, for the current roots: a namespace's goes once it holds nothing
+        self._namespace_of: dict[int, Hashable] = {id(self.root): None}
+        self._old_root_ids: set[int] = set()  # dropped roots, whose handles stay valid (locking a root does nothing)
         self.policy.reset()
-        self._num_nodes = 0
-        self._total = 0
-        self._protected = 0
-        self._queried_tokens = 0
-        self._hit_tokens = 0
+        self._clock = self._num_nodes = self._total = self._protected = self._queried_tokens = self._hit_tokens = 0
         if self.listener is not None:
             self.listener(AllBlocksCleared())
 
@@ -120,11 +115,6 @@ class RadixCache(Untiered):
         return self._total
 
     @property
-    def evictable_size(self) -> int:
-        """Tokens in nodes no running request protects (lock count 0)."""
-        return self._total - self._protected
-
-    @property
     def protected_size(self) -> int:
         """Tokens in nodes with a positive lock count."""
         return self._protected
@@ -133,11 +123,6 @@ class RadixCache(Untiered):
     def num_nodes(self) -> int:
         """Nodes in the tree, roots excluded."""
         return self._num_nodes
-
-    def stats(self) -> dict[str, float]:
-        """Token-weighted lookup statistics since construction or ``reset``."""
-        q, h = self._queried_tokens, self._hit_tokens
-        return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0}
 
     # ---------------------------------------------------------------- helpers
     def _key_of(self, tokens: TokenSeq) -> tuple[np.ndarray, bytes]:
@@ -186,9 +171,7 @@ class RadixCache(Untiered):
         ntok = nbytes // _ITEM
         parent = child.parent
         upper = RadixNode(child.key[:nbytes], child.value[:ntok].copy(), parent, child.created, child.depth)
-        upper.lock_count = child.lock_count
-        upper.last_access = child.last_access
-        upper.hit_count = child.hit_count
+        upper.lock_count, upper.last_access, upper.hit_count = child.lock_count, child.last_access, child.hit_count
         child.depth += ntok
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[nbytes:]
@@ -208,7 +191,6 @@ class RadixCache(Untiered):
         root = self._roots.get(namespace)
         if root is None and create:
             root = self._roots[namespace] = RadixNode(b"", _EMPTY, None, 0)
-            self._root_ids.add(id(root))
             self._namespace_of[id(root)] = namespace
         return root
 
@@ -319,7 +301,7 @@ class RadixCache(Untiered):
             top = top.parent
         if top is node and not node.key and id(node) in self._old_root_ids:
             return
-        if top.key or id(top) not in self._root_ids:
+        if top.key or id(top) not in self._namespace_of:
             raise LockError(f"cannot {verb} {node!r}: it is no longer in the cache (evicted, or from before reset())")
 
     def lock(self, node: RadixNode) -> None:
@@ -349,10 +331,8 @@ class RadixCache(Untiered):
         if node.parent is None:
             return
         if node.own_lock_count <= 0:
-            raise LockError(
-                f"unlock of {node!r}, which holds no lock of its own (lock count {node.lock_count}; "
-                "locks on nodes below it are released through those nodes)"
-            )
+            raise LockError(f"unlock of {node!r}, which holds no lock of its own (lock count {node.lock_count}; "
+                            "locks on nodes below it are released through those nodes)")
         node.own_lock_count -= 1
         leaf = node
         while node.parent is not None:
@@ -379,7 +359,7 @@ class RadixCache(Untiered):
             off += len(child.key)
             node = child
             node.last_access = mark
-        if node.parent is not None and self._live(node):
+        if self._live(node):
             self.policy.push(node)
         return off // _ITEM
 
@@ -429,12 +409,7 @@ class RadixCache(Untiered):
 
     def _drop_root(self, root: RadixNode) -> None:  # a namespace that holds nothing: O(1)
         del self._roots[self._namespace_of.pop(id(root))]
-        self._root_ids.discard(id(root))
         self._old_root_ids.add(id(root))
-
-    def cacheable_length(self, num_tokens: int) -> int:
-        """How many leading tokens of a ``num_tokens`` sequence ``insert`` keeps (whole pages)."""
-        return num_tokens - num_tokens % self.page_size
 
     def held_slots(self) -> np.ndarray:  # every slot index the tree holds, locked or not: O(total_size)
         return np.concatenate([node.value for node in self._all_nodes()] + [_EMPTY])
@@ -470,10 +445,8 @@ class RadixCache(Untiered):
 
     def pretty_print(self) -> str:
         """An indented text drawing of every namespace's tree. O(N + tokens)."""
-        lines = [
-            f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}) "
-            f"total={self.total_size} evictable={self.evictable_size} protected={self.protected_size}"
-        ]
+        lines = [f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}) "
+                 f"total={self.total_size} evictable={self.evictable_size} protected={self.protected_size}"]
         for ns, root in self._roots.items():
             if ns is not None or len(self._roots) > 1:
                 lines.append(f"namespace {ns!r}:")
@@ -481,7 +454,5 @@ class RadixCache(Untiered):
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (
-            f"RadixCache(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "
-            f"total_size={self.total_size}, nodes={self.num_nodes})"
-        )
+        return (f"RadixCache(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "
+                f"total_size={self.total_size}, nodes={self.num_nodes})")

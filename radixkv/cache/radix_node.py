@@ -35,11 +35,8 @@ class RadixNode:
         self.value = value
         self.children: dict[bytes, RadixNode] = {}
         self.parent = parent
-        self.lock_count = 0
-        self.own_lock_count = 0
-        self.last_access = now
-        self.hit_count = 0
-        self.created = now
+        self.lock_count = self.own_lock_count = self.hit_count = 0
+        self.last_access = self.created = now
         self.stamp = -1  # sequence number of this node's newest heap entry
         self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
         self.depth = depth  # tokens before the edge (its prefix), for eviction policies

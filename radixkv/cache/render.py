@@ -7,6 +7,7 @@ Each cache renders its own state in its ``to_dict`` and ``pretty_print`` methods
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 
@@ -21,6 +22,19 @@ def empty_tree(children: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The snapshot of a root: an empty one, or one over ``children`` (their snapshots)."""
     return {"tokens": [], "indices": [], "lock_count": 0, "last_access": 0, "hit_count": 0,
             "children": [] if children is None else children}
+
+
+def block_tree(blocks: Iterable[Any], root_key: Hashable, tokens: Callable[[Any], list[int]]) -> dict[str, Any]:
+    """The snapshot of the ``blocks`` of a block cache (each chaining from its ``parent_key``, named by its ``key``)
+    that hang from ``root_key``; ``tokens(block)`` lists a block's tokens. O(blocks)."""
+    children: dict[Hashable, list[Any]] = {}
+    for block in blocks:
+        children.setdefault(block.parent_key, []).append(block)
+
+    def walk(block: Any) -> dict[str, Any]:
+        return entry_dict(tokens(block), block.slots.tolist(), block, [walk(c) for c in children.get(block.key, [])])
+
+    return empty_tree([walk(b) for b in children.get(root_key, [])])
 
 
 def shown(tokens: Any) -> str:

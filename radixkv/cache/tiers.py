@@ -99,18 +99,18 @@ class Untiered:
             raise ValueError(f"load: {len(slots)} slots for a plan of nothing")
         return plan.match
 
-    def cancel(self, plan: LoadPlan) -> None:  # nothing is locked for an empty plan
-        return None
+    def cancel(self, plan: LoadPlan) -> None:
+        """Nothing: nothing is locked for an empty plan."""
 
     def admitted(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
-                 hints: CacheHints = NO_HINTS) -> None:  # no write policy counts reuses
-        return None
+                 hints: CacheHints = NO_HINTS) -> None:
+        """Nothing: no write policy counts reuses."""
 
     def take_copies(self) -> list[Copy]:
         return []
 
-    def reset_transfer_counts(self) -> None:  # no counts to zero
-        return None
+    def reset_transfer_counts(self) -> None:
+        """Nothing: no counts to zero."""
 
     def flush(self, allocator: SlotAllocator) -> int:
         """Evict every entry no request holds into ``allocator``: the slots freed. O(cache)."""

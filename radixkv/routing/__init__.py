@@ -14,8 +14,7 @@ from radixkv.routing.base import EventRouter, LoadTracker, ReplicaView, Router
 from radixkv.routing.basic import LeastLoad, PrefixHash, RoundRobin
 from radixkv.routing.cache_routers import CacheAware, KVEvents, Preble
 
-ROUTERS = {"round_robin": RoundRobin, "least_load": LeastLoad, "prefix_hash": PrefixHash, "cache_aware": CacheAware,
-           "kv_events": KVEvents, "preble": Preble, "affinity": Affinity}
+ROUTERS = {cls.name: cls for cls in (RoundRobin, LeastLoad, PrefixHash, CacheAware, KVEvents, Preble, Affinity)}
 
 
 def make_router(name: str, cache_block_size: int | None = None, **params) -> Router:

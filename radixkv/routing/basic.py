@@ -69,25 +69,22 @@ class PrefixHash:
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = alive(replicas)
-        self._build(tuple(sorted(r.index for r in replicas)))
+        members = tuple(sorted(r.index for r in replicas))
+        if members != self._members:  # the ring depends on the members only
+            self._members = members
+            self._ring = sorted((_h(f"replica-{m}-{v}".encode()), m) for m in members
+                                for v in range(self.virtual_nodes))
         load = {r.index: r.outstanding_tokens for r in up}
         cap = self.load_factor * max(1.0, (sum(load.values()) + 1) / len(up))
         head = np.asarray(tokens, dtype=np.int64)[: self.prefix_tokens].tobytes()
         start = bisect.bisect(self._ring, (_h(repr(namespace).encode() + b"|" + head), -1))
-        for step in range(len(self._ring)):
-            _, replica = self._ring[(start + step) % len(self._ring)]
+        for _, replica in self._ring[start:] + self._ring[:start]:
             if replica in load and load[replica] + 1 <= cap:
                 return replica
         return min(load, key=lambda i: (load[i], i))  # everyone over the bound: the least loaded
 
     def finished(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
         """Nothing to track: the ring depends on the members only, the load comes with the views."""
-
-    def _build(self, members: tuple[int, ...]) -> None:
-        if members != self._members:
-            self._members = members
-            self._ring = sorted((_h(f"replica-{m}-{v}".encode()), m) for m in members
-                                for v in range(self.virtual_nodes))
 
 
 def _h(data: bytes) -> int:

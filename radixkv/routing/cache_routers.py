@@ -48,25 +48,24 @@ class CacheAware:
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0) -> int:
         up = alive(replicas)
-        trees = self._trees
-        trees.grow(len(replicas))
+        self._trees.grow(len(replicas))
         if now - self._last_trim >= self.eviction_interval_secs:
             self._last_trim = now
-            for i in range(len(trees)):
-                trees.trim(i, self.max_tree_size)
+            for i in range(len(self._trees)):
+                self._trees.trim(i, self.max_tree_size)
         load = {r.index: r.running + r.waiting for r in up}
         hi, lo = max(load.values()), min(load.values())
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             choice, why = min(load, key=lambda i: (load[i], i)), "balance"
         else:
-            matched = trees.match(tokens, namespace)
+            matched = self._trees.match(tokens, namespace)
             best = max(load, key=lambda i: (matched[i], -i))
             if len(tokens) and matched[best] / len(tokens) > self.cache_threshold:
                 choice, why = best, "cache_hit"
             else:
-                sizes = trees.sizes()
+                sizes = self._trees.sizes()
                 choice, why = min(load, key=lambda i: (sizes[i], i)), "smallest_tree"
-        trees.insert(choice, tokens, namespace)
+        self._trees.insert(choice, tokens, namespace)
         self.counts[why] += 1
         return choice
 
@@ -121,8 +120,7 @@ class KVEvents:
                 index.apply(replica, event)
         up = alive(replicas)
         overlap = self.index.match(tokens, namespace)
-        host = self.host_index.match(tokens, namespace) if self.host_index.replicas else {}
-        for r, m in host.items():
+        for r, m in self.host_index.match(tokens, namespace).items():
             overlap[r] = overlap.get(r, 0) + self.host_overlap_weight * max(0, m - overlap.get(r, 0))
         n, b = len(tokens), self.block_size
         cost = np.array([self.overlap_score_weight * (r.outstanding_tokens + n - overlap.get(r.index, 0)) / b

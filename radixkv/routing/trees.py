@@ -34,8 +34,7 @@ class ReplicaTrees:
         return [t.match_prefix(tokens, namespace).length for t in self.trees]
 
     def insert(self, replica: int, tokens: np.ndarray, namespace: Hashable = None) -> None:
-        tree = self.trees[replica]
-        tree.insert(tokens, np.zeros(len(tokens), dtype=np.int64), namespace)
+        self.trees[replica].insert(tokens, np.zeros(len(tokens), dtype=np.int64), namespace)
         if self.capacity is not None:
             self.trim(replica, self.capacity)
 

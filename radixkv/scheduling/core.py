@@ -15,7 +15,7 @@ cache's slots and lock), and also each block filled while decoding for a cache t
 
 Sharing within a step: a request the policy held back because a prefill is computing the prefix it shares
 (in-batch prefix sharing) is admitted in the same step when a prefill chunk of that step computes the whole
-shared prefix (``_lend``): it reads the lender's KV slots for it in the same forward, as the model stores
+shared prefix (``_admit_each``): it reads the lender's KV slots for it in the same forward, as the model stores
 a layer's K/V for every row before any row attends (vLLM v1 gets the same from caching blocks when they
 are allocated). The borrowed slots count as its cached prefix (``RequestState.cached``; its hit), and its
 commit, after the lender's in the same ``commit``, finds them in the cache.
@@ -165,42 +165,40 @@ class Scheduler:
         # Ranked only when something can be admitted: ranking costs a match per waiting request (and a
         # draw of the random policy).
         order, held = self._admission_order() if budget >= 1 and len(self.running) < self.max_running else ((), ())
-        for s in order:
-            if budget < 1 or len(self.running) >= self.max_running:
-                return batch
-            n = self._admit(s, budget)
-            if not n:
-                return batch  # out of KV memory until a running request finishes
-            batch.append((s, n))
-            budget -= n
-        self._lend(held, batch, budget)
+        budget = self._admit_each(order, batch, budget)
+        if budget is not None:
+            self._admit_each(held, batch, budget, lend=True)
         return batch
 
-    def _lend(self, held: Sequence[RequestState], batch: Batch, budget: float) -> None:
-        """Admit each held-back request whose whole shared prefix a prefill chunk of this step computes,
-        borrowing that chunk's slots for it (see the module docstring). O(held x prefills x prompt)."""
-        for s in held:
+    def _admit_each(self, states: Sequence[RequestState], batch: Batch, budget: float,
+                    lend: bool = False) -> float | None:
+        """Admit ``states`` in order into ``batch`` while tokens, ``max_running`` and KV memory last: the budget
+        left, or None once one could not be admitted. ``lend``: only each held-back request whose whole shared
+        prefix a prefill chunk of this step computes, borrowing that chunk's slots for it (see the module
+        docstring). O(held x prefills x prompt) then."""
+        for s in states:
             if budget < 1 or len(self.running) >= self.max_running:
-                return
-            lender, length = self._lender(s, batch)
-            if lender is None:
+                return None
+            lender = self._lender(s, batch) if lend else None
+            if lend and lender is None:
                 continue
-            n = self._admit(s, budget, (lender, length))
+            n = self._admit(s, budget, lender)
             if not n:
-                return
+                return None  # out of KV memory until a running request finishes
             batch.append((s, n))
             budget -= n
+        return budget
 
-    def _lender(self, s: RequestState, batch: Batch) -> tuple[RequestState | None, int]:
+    def _lender(self, s: RequestState, batch: Batch) -> tuple[RequestState, int] | None:
         """The prefill of this step that computes, by its end, all that ``s`` shares with any prompt still being
-        prefilled (whole pages, at most all but its last token), and that length; ``(None, 0)`` if none does."""
+        prefilled (whole pages, at most all but its last token), and that length; None if none does."""
         prompt, ps = np.asarray(s.prompt), self.allocator.page_size
         done = {id(r): r.computed + n for r, n in batch if r.prefilling}  # computed once this step has run
         shared = {id(r): _common_prefix(prompt[:-1], np.asarray(r.prompt)) // ps * ps for r in self.running
                   if r is not s and r.prefilling and r.namespace == s.namespace}
         want = max(shared.values(), default=0)
         lender = next((r for r in self.running if shared.get(id(r)) == want and done.get(id(r), 0) >= want), None)
-        return (lender, want) if lender is not None and want > 0 else (None, 0)
+        return (lender, want) if lender is not None and want > 0 else None
 
     def commit(self, batch: Batch, decode_tokens: int = 1) -> None:
         """After the step ran: every request advances by its tokens (a decode by ``decode_tokens``, for a
@@ -251,10 +249,8 @@ class Scheduler:
         at finish, the rest of its slots freed, its lock released."""
         if s in self.running:
             n = min(s.computed, len(s.tokens))  # the simulator's records know their prompt only
-            release_sequence(self.cache, self.allocator, s.tokens[:n], s.slots[:n], s.cached, s.node, s.namespace,
-                             s.hints)
+            self.finish(s, s.tokens[:n])
             self.allocator.free(s.slots[max(n, s.cached) :])
-            self.running.remove(s)
         if s in self.waiting:
             self.waiting.remove(s)
         s.reset()
@@ -289,7 +285,7 @@ class Scheduler:
     # ------------------------------------------------------------- admission
     def _admission_order(self) -> tuple[list[RequestState], list[RequestState]]:
         """The waiting requests in policy order, ranked once per step (each is matched again when admitted), and
-        those a policy that sees prefills in flight held back, in arrival order (``_lend`` may admit them)."""
+        those a policy that sees prefills in flight held back, in arrival order (``_admit_each`` may lend to them)."""
         if not self.waiting:
             return [], []
         if self.policy.name == "fcfs":  # arrival order: the queue's own (a preempted request at its front)
@@ -351,21 +347,17 @@ class Scheduler:
         """Extend ``m`` (locked) from the cache's lower tiers (if it has any) into fresh device slots, evicting
         as usual: the match to use and its tokens per tier. Only when the admission's own slots (its first
         chunk, or its whole KV) fit too: a request that is not admitted loads nothing (``m`` alone is returned)."""
-        if not self.cache.tiers:  # nothing below the device to load from (a plan would be empty)
-            return m, {DEVICE: m.length}
-        plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace, s.hints)
-        if not plan.length:
-            return m, {DEVICE: m.length}
-        _, rest = self._first_slots(s, m.length + plan.length, budget)
-        page = self.allocator.page_size
-        need = plan.length + math.ceil(rest / page) * page  # the chunk starts on a fresh page after the load
-        if self.allocator.num_free < need:
-            self._evict(need - self.allocator.num_free)
-        if self.allocator.num_free < need:
-            self.cache.cancel(plan)
-            return m, {DEVICE: m.length}
-        by_tier = plan.by_tier()
-        return self.cache.load(plan, self.allocator.alloc(plan.length)), by_tier
+        if self.cache.tiers:  # else nothing below the device to load from (a plan would be empty)
+            plan = self.cache.plan_load(s.prompt[: max(len(s.prompt) - 1, 0)], m, s.namespace, s.hints)
+            if plan.length:
+                _, rest = self._first_slots(s, m.length + plan.length, budget)
+                page = self.allocator.page_size
+                need = plan.length + math.ceil(rest / page) * page  # the chunk starts on a fresh page after the load
+                if self._make_room(need):
+                    by_tier = plan.by_tier()
+                    return self.cache.load(plan, self.allocator.alloc(plan.length)), by_tier
+                self.cache.cancel(plan)
+        return m, {DEVICE: m.length}
 
     # ---------------------------------------------------------------- memory
     def _room(self, s: RequestState) -> int:
@@ -381,19 +373,19 @@ class Scheduler:
 
         The slots continue the request's last page, so its slots fill pages in order.
         """
-        need = n - min(self._room(s), n)
-        if self.allocator.num_free < need:
-            self._evict(need - self.allocator.num_free)
-        if self.allocator.num_free < need:
+        if not self._make_room(n - min(self._room(s), n)):
             return False
         self._extend(s, n)
         return True
 
-    def _evict(self, n: int) -> None:
-        freed = self.cache.evict(n)
-        self.allocator.free(freed)
-        self.stats["evicted_tokens"] += len(freed)
-        self.stats["evictions"] += bool(len(freed))
+    def _make_room(self, need: int) -> bool:
+        """Whether ``need`` slots are free, after evicting unlocked cache where fewer were."""
+        if self.allocator.num_free < need:
+            freed = self.cache.evict(need - self.allocator.num_free)
+            self.allocator.free(freed)
+            self.stats["evicted_tokens"] += len(freed)
+            self.stats["evictions"] += bool(len(freed))
+        return self.allocator.num_free >= need
 
     def _grow(self, s: RequestState, n: int, batch: Batch) -> bool:
         """``n`` more slots for a running request (none when reserved whole), preempting the newest others

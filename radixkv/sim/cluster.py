@@ -131,14 +131,12 @@ class ClusterResult:
 
     def summary(self) -> dict[str, Any]:
         """The totals, TTFT statistics, throughput and references as a flat dict (what experiments store)."""
-        out = {"hit_rate": self.hit_rate, "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
-               "computed_tokens": self.computed_tokens, "imbalance": self.imbalance,
-               "ttft_mean": self.ttft_mean, "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99,
-               "throughput": self.throughput, "makespan": self.makespan,
-               "rejected": sum(r.rejected for r in self.replicas), "decision_counts": dict(self.decision_counts),
-               "hit_rate_by_tier": self.hit_rate_by_tier,
-               **{k: sum(getattr(r, k) for r in self.replicas) for k in ("load_seconds", "loaded_tokens",
-                                                                         "written_tokens", "saved_prefill_s")}}
+        own = ("hit_rate", "prompt_tokens", "hit_tokens", "computed_tokens", "imbalance", "ttft_mean", "ttft_p50",
+               "ttft_p99", "throughput", "makespan")
+        summed = ("load_seconds", "loaded_tokens", "written_tokens", "saved_prefill_s")
+        out = {**{k: getattr(self, k) for k in own}, "rejected": sum(r.rejected for r in self.replicas),
+               "decision_counts": dict(self.decision_counts), "hit_rate_by_tier": self.hit_rate_by_tier,
+               **{k: sum(getattr(r, k) for r in self.replicas) for k in summed}}
         for name, value in self.references.items():
             out[name] = value
             out[f"share_of_{name}"] = self.hit_rate / value if value else 0.0
@@ -150,15 +148,14 @@ def sim_config(config: StackConfig | None, settings: dict[str, Any]) -> tuple[St
     any: ``config`` (or ``SIMULATOR_DEFAULTS``) with the keyword settings on top. ``cache`` is a name or a
     ready ``PrefixCache``; ``in_batch_sharing=None`` means off (0)."""
     settings = dict(settings)
-    cache = settings.pop("cache", None)
-    obj = None if cache is None or isinstance(cache, str) else cache  # an object's page is its own (build_replica)
-    if obj is not None and not isinstance(obj, PrefixCache):
-        raise ValueError(f"cache must be a name or a PrefixCache, got {type(obj).__name__}")
+    cache = settings.pop("cache", None)  # an object's page is its own (build_replica)
     if isinstance(cache, str):
-        settings["prefix_cache"] = cache
+        settings["prefix_cache"], cache = cache, None
+    elif cache is not None and not isinstance(cache, PrefixCache):
+        raise ValueError(f"cache must be a name or a PrefixCache, got {type(cache).__name__}")
     if "in_batch_sharing" in settings and settings["in_batch_sharing"] is None:
         settings["in_batch_sharing"] = 0
-    return settings_from(config or SIMULATOR_DEFAULTS, **settings), obj
+    return settings_from(config or SIMULATOR_DEFAULTS, **settings), cache
 
 
 def build_replica(requests: Sequence[Request], config: StackConfig, preemption: bool,
@@ -177,11 +174,10 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
         future = getattr(getattr(cache, "policy", None), "future", None)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
                         worth_loading=(cost or CostModel()).worth_loading, future=future)
-    named = type(cache).__name__ if cache is not None else config.prefix_cache
-    sharing = getattr(stack.scheduler.policy, "threshold", None)  # what the builder applied (none: no sharing)
-    return stack, {**config.to_dict(), "cache": named, "kv_slots": stack.allocator.capacity,
-                   "allocator_page": stack.allocator.page_size, "in_batch_sharing": sharing,
-                   "preemption": preemption}
+    return stack, {**config.to_dict(), "cache": config.prefix_cache if cache is None else type(cache).__name__,
+                   "kv_slots": stack.allocator.capacity, "allocator_page": stack.allocator.page_size,
+                   # the threshold the builder applied (none: no sharing)
+                   "in_batch_sharing": getattr(stack.scheduler.policy, "threshold", None), "preemption": preemption}
 
 
 class _CacheablePrompts:
@@ -273,17 +269,14 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
     if capacity_tokens is not None:
         settings["capacity_tokens"] = capacity_tokens
     config, _ = sim_config(config, settings)
-    cost = cost_model or CostModel()
     pooled = settings_from(config, max_running=config.max_running * replicas, capacity_tokens=None
                            if config.capacity_tokens is None else pooled_tokens(config, replicas),
                            host_capacity_tokens=None, storage_capacity_tokens=None)
-    faster = cost.scaled(replicas)
+    faster = (cost_model or CostModel()).scaled(replicas)
     requests = checked_requests(requests, False)
-    out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size),
-           "pooled_lru": simulate_on(requests, settings_from(pooled, eviction_policy="lru"), faster).hit_rate}
-    seers = [name for name in EVERY_POLICY if needs_future(name)] if clairvoyant and config.prefix_cache == "radix" \
-        else []  # the references that know the future (radix only)
-    for name in seers:
+    out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size)}
+    seers = [name for name in EVERY_POLICY if clairvoyant and config.prefix_cache == "radix" and needs_future(name)]
+    for name in ["lru", *seers]:  # then the references that know the future (radix only)
         out[f"pooled_{name}"] = simulate_on(requests, settings_from(pooled, eviction_policy=name), faster).hit_rate
     return out
 
@@ -335,11 +328,10 @@ class _ClusterRun:
         t = self.feed.next_time()
         req = self.feed.pop()
         used = [1.0 - rep.alloc.num_free / rep.alloc.capacity for rep in self.replicas]
-        views = self.tracker.views(used)
         tokens = req.tokens()  # built once per request (a ``BlockPrompt`` holds its block ids only)
         # a router that follows sessions is told the request's (an agent session, a conversation)
         session = {"session": req.session} if getattr(self.router, "follows_sessions", False) else {}
-        i = self.router.route(tokens, views, req.namespace, now=t, **session)
+        i = self.router.route(tokens, self.tracker.views(used), req.namespace, now=t, **session)
         if not (isinstance(i, int | np.integer) and 0 <= i < len(self.replicas)):
             raise ValueError(f"router {self.router.name!r} returned {i!r}, not a replica index")
         i = int(i)

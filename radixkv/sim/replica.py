@@ -74,14 +74,10 @@ class SimResult:
         t = self.ttfts()
         stats = {f"ttft_{k}": float(f(t)) if len(t) else 0.0
                  for k, f in {"mean": np.mean, "p50": np.median, "p99": lambda x: np.percentile(x, 99)}.items()}
-        return {
-            "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
-            "computed_tokens": self.computed_tokens, "evicted_tokens": self.evicted_tokens,
-            "preemptions": self.preemptions, "rejected": self.rejected, "makespan": self.makespan, **stats,
-            "hit_rate_by_tier": self.hit_rate_by_tier, "load_seconds": self.load_seconds,
-            "loaded_tokens": self.loaded_tokens, "written_tokens": self.written_tokens,
-            "saved_prefill_s": self.saved_prefill_s,
-        }
+        totals = ("prompt_tokens", "hit_tokens", "hit_rate", "computed_tokens", "evicted_tokens", "preemptions",
+                  "rejected", "makespan")
+        tiers = ("hit_rate_by_tier", "load_seconds", "loaded_tokens", "written_tokens", "saved_prefill_s")
+        return {**{k: getattr(self, k) for k in totals}, **stats, **{k: getattr(self, k) for k in tiers}}
 
 
 @dataclass(eq=False)
@@ -255,9 +251,8 @@ class Replica:
             loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
             self.result.load_seconds += loads
             dt = self.cost.with_loads(dt, loads)
-        strides = 1
-        if not chunks and len(decoding) == len(self.scheduler.running):  # decodes only
-            strides = self._strides(decoding, dt)
+        # a stride of steps where every running request decodes
+        strides = self._strides(decoding, dt) if not chunks and len(decoding) == len(self.scheduler.running) else 1
         self.now += dt * strides
         self.result.steps.append((tokens, pairs, len(decoding), strides))
         self.scheduler.commit(batch, decode_tokens=strides)

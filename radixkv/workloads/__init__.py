@@ -37,11 +37,9 @@ def make(name: str, seed: int = 0, **sizes) -> list[Request]:
     >>> len(reqs), len(reqs[0].prompt)
     (6, 10)
     """
-    try:
-        fn = WORKLOADS[name]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)} (or use mooncake())") from None
-    return fn(seed=seed, **sizes)
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)} (or use mooncake())")
+    return WORKLOADS[name](seed=seed, **sizes)
 
 
 __all__ = ["BlockPrompt", "Request", "TokenSource", "WORKLOADS", "agentic", "make", "mooncake"]

@@ -34,6 +34,7 @@ How the sessions are laid out (``agentic``):
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +72,7 @@ def read_sessions(path: str | Path) -> list[dict]:
         last_t[key] = row["t"]
         return row
 
-    return read_records(path, parse, what="agentic trace", readme="shared/traces/agentic/README.md",
-                        required=_FIELDS)
+    return read_records(path, parse, what="agentic trace", readme="shared/traces/agentic/README.md", required=_FIELDS)
 
 
 def _record(row: dict, where: str) -> dict:
@@ -88,8 +88,7 @@ def _record(row: dict, where: str) -> dict:
     for k in ("t", "think_time", "api_time"):
         v = row.get(k)
         if (k == "t" or v is not None) and not (is_real(v) and v >= 0):
-            raise ValueError(f"{where}: {k} must be a finite number >= 0{'' if k == 't' else ' or null'}, "
-                             f"got {v!r}")
+            raise ValueError(f"{where}: {k} must be a finite number >= 0{'' if k == 't' else ' or null'}, got {v!r}")
     stop = row.get("stop", "")
     if stop not in STOPS:
         raise ValueError(f"{where}: stop must be one of {STOPS}, got {stop!r}")
@@ -160,7 +159,7 @@ class _Layout:
     """Builds each session's requests: global block ids, tails, parents and pauses."""
 
     def __init__(self, share_prefix: bool, max_pause: float | None):
-        self.share_prefix, self.max_pause = share_prefix, max_pause
+        self.share_prefix, self.max_pause = share_prefix, np.inf if max_pause is None else max_pause
         self.next_id = 1  # the next unused global block id
         self.shared: dict[tuple[int, int], int] = {}  # (tool, system tokens) -> first of its shared block ids
         self.seen: set[int] = set()  # every block id a prompt laid out so far held
@@ -193,13 +192,7 @@ class _Layout:
         cacheable prefix (all but its last token, whole blocks): what an unlimited cache would hit. Block ids
         name their whole prefix, so the seen blocks lead the prompt: a binary search finds where they end."""
         ids = prompt.block_ids()
-        lo, hi = 0, len(ids)  # ids[:lo] seen, ids[hi:] not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if int(ids[mid]) in self.seen:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(range(len(ids)), True, key=lambda i: int(ids[i]) not in self.seen)  # first unseen
         self.seen.update(ids[lo:].tolist())
         return min(lo * AGENTIC_BLOCK, (len(prompt) - 1) // AGENTIC_BLOCK * AGENTIC_BLOCK)
 
@@ -219,19 +212,16 @@ class _Layout:
             pause = row["t"] - prev["t"] - (prev["api_time"] or 0.0)
         else:
             pause = row["think_time"]
-        pause = max(pause, 0.0)
-        return parent, pause if self.max_pause is None else min(pause, self.max_pause)
+        return parent, min(max(pause, 0.0), self.max_pause)
 
     def _ids(self, row: dict, base: int) -> np.ndarray:
         """The prompt's block runs in global ids: the session's offset, and shared ids for its first blocks
         where ``share_prefix`` maps them."""
         runs = row["block_runs"].copy()
         runs[:, 0] += base
-        if not self.share_prefix:
-            return runs
         per_key = (row["tool_tokens"] + row["system_tokens"]) // AGENTIC_BLOCK
         k = min(per_key, int(runs[:, 1].sum()))
-        if not k:
+        if not (self.share_prefix and k):
             return runs
         key = (row["tool_tokens"], row["system_tokens"])
         if key not in self.shared:  # the first stream of this client version reserves its ids
@@ -243,11 +233,8 @@ class _Layout:
 
 
 def _runs_of(ids: np.ndarray) -> np.ndarray:
-    """Block ids as ``[k, 2]`` runs of consecutive ids. O(blocks)."""
-    if not len(ids):
-        return np.zeros((0, 2), dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate([[0], breaks])
+    """Block ids (at least one) as ``[k, 2]`` runs of consecutive ids. O(blocks)."""
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
     counts = np.diff(np.concatenate([starts, [len(ids)]]))
     return np.stack([ids[starts], counts], axis=1).astype(np.int64)
 

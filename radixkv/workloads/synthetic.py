@@ -150,12 +150,11 @@ def self_consistency(seed: int = 0, questions: int = 16, samples: int = 8, promp
                      vocab_size: int | None = None) -> list[Request]:
     """Self-consistency: every question is sampled ``samples`` times with the same prompt."""
     src = TokenSource(seed, vocab_size)
-    arrivals = _arrivals(src, questions, rate)
     requests = []
-    for q in range(questions):
+    for q, arrival in enumerate(_arrivals(src, questions, rate)):
         prompt = src.span(src.length(prompt_tokens))
         for k in range(samples):
-            requests.append(Request(arrival=float(arrivals[q]), session=q, prompt=prompt,
+            requests.append(Request(arrival=float(arrival), session=q, prompt=prompt,
                                     output_len=src.length(output_tokens), meta={"sample": k}))
     return number(requests)
 
@@ -165,9 +164,8 @@ def no_sharing(seed: int = 0, requests: int = 256, prompt_tokens: Length = (256,
                vocab_size: int | None = None) -> list[Request]:
     """The control: independent prompts that share nothing."""
     src = TokenSource(seed, vocab_size)
-    arrivals = _arrivals(src, requests, rate)
     return number([
-        Request(arrival=float(arrivals[i]), session=i, prompt=src.span(src.length(prompt_tokens)),
+        Request(arrival=float(a), session=i, prompt=src.span(src.length(prompt_tokens)),
                 output_len=src.length(output_tokens))
-        for i in range(requests)
+        for i, a in enumerate(_arrivals(src, requests, rate))
     ])

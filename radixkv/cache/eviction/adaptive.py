@@ -7,34 +7,10 @@ block's chained key) in ghost lists holding at most as many tokens as the cache 
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.eviction.base import Entry, EvictionPolicy, LazyHeap, Live, check_param, reused
-
-
-class Ghosts:
-    """Keys of evicted entries with their sizes, oldest first, at most the cache's capacity in tokens in all."""
-
-    def __init__(self) -> None:
-        self.keys: OrderedDict[Hashable, int] = OrderedDict()
-        self.tokens = 0
-
-    def add(self, key: Hashable, size: int, limit: int) -> None:  # O(1) amortized
-        self.tokens += size - self.keys.pop(key, 0)
-        self.keys[key] = size
-        while self.tokens > limit and self.keys:
-            self.tokens -= self.keys.popitem(last=False)[1]
-
-    def take(self, key: Hashable) -> bool:
-        """Whether ``key`` was remembered (and forget it). O(1)."""
-        size = self.keys.pop(key, None)
-        if size is None:
-            return False
-        self.tokens -= size
-        return True
+from radixkv.cache.eviction.base import Entry, EvictionPolicy, Ghosts, LazyHeap, Live, check_param, reused
 
 
 class ARC(EvictionPolicy):
@@ -68,11 +44,8 @@ class ARC(EvictionPolicy):
 
     def pop(self, live: Live) -> Entry | None:
         first = 0 if self.sizes[0] > self.p else 1
-        for i in (first, 1 - first):
-            item = self.lists[i].pop(live)
-            if item is not None:
-                return item[1]
-        return None
+        item = self.lists[first].pop(live) or self.lists[1 - first].pop(live)
+        return None if item is None else item[1]
 
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         key, size, (b1, b2) = self.cache.key_of(entry), len(entry), self.ghosts
@@ -104,7 +77,7 @@ class ARC(EvictionPolicy):
         counted = [sum(len(e) for e in entries if e.state == i) for i in (0, 1)]
         require(counted == self.sizes, "arc: T1 and T2 sizes", f"counted {counted}, recorded {self.sizes}")
         require(all(e.state in (0, 1) for e in entries), "arc: every entry in T1 or T2")
-        require(all(g.tokens == sum(g.keys.values()) for g in self.ghosts), "arc: ghost sizes")
+        require(all(g.counted() for g in self.ghosts), "arc: ghost sizes")
 
 
 class S3FIFO(EvictionPolicy):
@@ -124,6 +97,7 @@ class S3FIFO(EvictionPolicy):
 
     name = "s3fifo"
     observes = True
+    params = ("small_ratio",)
 
     def __init__(self, small_ratio: float = 0.1):
         check_param("s3fifo", "small_ratio", small_ratio, 0.0)
@@ -189,7 +163,4 @@ class S3FIFO(EvictionPolicy):
         counted = [sum(len(e) for e in entries if e.state[0] == q) for q in (0, 1)]
         require(counted == self.sizes, "s3fifo: S and M sizes", f"counted {counted}, recorded {self.sizes}")
         require(all(0 <= e.state[1] <= 3 for e in entries), "s3fifo: frequencies in [0, 3]")
-        require(self.ghosts.tokens == sum(self.ghosts.keys.values()), "s3fifo: ghost size")
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "small_ratio": self.small_ratio}
+        require(self.ghosts.counted(), "s3fifo: ghost size")

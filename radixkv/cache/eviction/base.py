@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import operator
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -122,6 +123,32 @@ class LazyHeap:
         return (i[2] for i in self.items if i[2].stamp == i[1])
 
 
+class Ghosts:
+    """Keys of evicted entries, oldest first, each with its size and what the policy keeps of it (its ``record``),
+    at most ``limit`` tokens in all (``add``'s: the cache's capacity, or a multiple of it)."""
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[Hashable, tuple[int, Any]] = OrderedDict()  # key -> (size, record)
+        self.tokens = 0
+
+    def add(self, key: Hashable, size: int, limit: int, record: Any = True) -> None:  # O(1) amortized
+        self.take(key)
+        self.keys[key] = size, record
+        self.tokens += size
+        while self.tokens > limit and self.keys:
+            self.tokens -= self.keys.popitem(last=False)[1][0]
+
+    def take(self, key: Hashable) -> Any:
+        """The record remembered under ``key`` (forgetting it); None if there is none. O(1)."""
+        size, record = self.keys.pop(key, (0, None))
+        self.tokens -= size
+        return record
+
+    def counted(self) -> bool:
+        """Whether ``tokens`` is the sum of the remembered sizes (for ``check_invariants``). O(keys)."""
+        return self.tokens == sum(size for size, _ in self.keys.values())
+
+
 def _policy_clock(cache: Any) -> Callable[[], float]:
     return cache.policy.clock
 
@@ -145,6 +172,7 @@ class EvictionPolicy:
     needs_future = False  # it is handed the workload's future (``FutureUses``): only the simulator builds it
     keeps_order_under_demotion = False  # ``demote`` ranks entries first without fighting its order (lru)
     release_order = False  # it ranks by release order alone: vLLM's O(1) free queue serves it (lru)
+    params: tuple[str, ...] = ()  # the constructor's parameters (kept as attributes), which ``describe`` records
 
     def __init__(self) -> None:
         self.clock: Callable[[], float] = time.monotonic
@@ -230,8 +258,8 @@ class EvictionPolicy:
         """``entry`` is leaving the cache (still in place: its prefix can be read)."""
 
     def describe(self) -> dict[str, Any]:
-        """The policy's name and parameters, as experiments record them."""
-        return {"name": self.name}
+        """The policy's name and parameters (``params``), as experiments record them."""
+        return {"name": self.name, **{param: getattr(self, param) for param in self.params}}
 
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         """The policy's own books against the cache's ``entries`` (every one it holds); ``require(ok, what,
@@ -250,11 +278,8 @@ class PriorityPolicy(EvictionPolicy):
 
     def __init__(self, name: str, priority_fn: Callable[[Entry], float]):
         self.name = name
-        self._fn = priority_fn
+        self.priority = priority_fn  # the entry's rank when pushed (in place of the class's)
         super().__init__()
-
-    def priority(self, entry: Entry) -> float:
-        return self._fn(entry)
 
 
 MAX_CLASS = 4096  # class * CLOCK_SPAN + clock stays exact in a float (2**52) for |class| up to this
@@ -266,12 +291,8 @@ def ranked(cls: int, clock: float) -> float:
     return max(-MAX_CLASS, min(cls, MAX_CLASS)) * CLOCK_SPAN + clock
 
 
-def _lfu(e: Entry) -> float:  # fewest hits first, ties by recency
-    return ranked(e.hit_count, e.last_access)
-
-
 CLASSICAL: dict[str, Callable[[Entry], float]] = {
-    "lfu": _lfu,
+    "lfu": lambda e: ranked(e.hit_count, e.last_access),  # fewest hits first, ties by recency
     "fifo": lambda e: e.created,  # oldest created first
     "mru": lambda e: -e.last_access,  # most recently used first
     "filo": lambda e: -e.created,  # newest created first
@@ -287,6 +308,7 @@ class SLRU(EvictionPolicy):
     """
 
     name = "slru"
+    params = ("protected_threshold",)
 
     def __init__(self, protected_threshold: int = 2):
         check_param("slru", "protected_threshold", protected_threshold, 1, integer=True)
@@ -295,9 +317,6 @@ class SLRU(EvictionPolicy):
 
     def priority(self, entry: Entry) -> float:
         return ranked(entry.hit_count >= self.protected_threshold, entry.last_access)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "protected_threshold": self.protected_threshold}
 
 
 def reused(entry: Entry, hints: CacheHints) -> bool:

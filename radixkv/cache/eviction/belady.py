@@ -36,10 +36,6 @@ class Belady(EvictionPolicy):
         return super().bind(cache, live)
 
     def priority(self, entry: Entry) -> float:
-        parts = [entry.key[: _ITEM * self.cache.page_size]]
-        walk = entry.parent
-        while walk.parent is not None:
-            parts.append(walk.key)
-            walk = walk.parent
-        prefix = b"".join(reversed(parts))
-        return -self.future.next_use(prefix, self.cache.namespace_of(walk))
+        path, root = entry.parent.path()  # the nodes above the leaf's edge, and its tree's root
+        prefix = b"".join([node.key for node in path] + [entry.key[: _ITEM * self.cache.page_size]])
+        return -self.future.next_use(prefix, self.cache.namespace_of(root))

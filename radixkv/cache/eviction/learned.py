@@ -40,12 +40,10 @@ Args:
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.eviction.base import Entry, EvictionPolicy, check_param, reused
+from radixkv.cache.eviction.base import Entry, EvictionPolicy, Ghosts, check_param, reused
 
 SHARED, TAIL, TURN1 = 0, 1, 2  # then turn 2 x gap bucket, turn 3+ x gap bucket
 
@@ -68,6 +66,7 @@ class Learned(EvictionPolicy):
 
     name = "learned"
     observes = True
+    params = ("horizon", "gap_edges", "shared_matches", "prior", "refit_every")
 
     def __init__(self, horizon: float = 2300.0, gap_edges: Sequence[int] = (400, 1200, 3200),
                  shared_matches: int = 3, prior: float = 20.0, refit_every: int = 100):
@@ -88,8 +87,8 @@ class Learned(EvictionPolicy):
         n = 3 + 2 * (len(self.gap_edges) + 1)
         self.starts, self.reuses = [0] * n, [0] * n
         self.shift = [0.0] * n  # horizon x ln p per class: 0 (LRU) until the first refit
-        self.ghosts: OrderedDict[Hashable, tuple[Record, int]] = OrderedDict()  # key -> (record, tokens)
-        self._ghost_tokens, self._pending = 0, 0
+        self.ghosts = Ghosts()  # evicted entries' records, at most 8 x the cache's tokens
+        self._pending = 0
 
     # ------------------------------------------------------------------ ranking
     def _class_of(self, record: Record) -> int:
@@ -117,7 +116,7 @@ class Learned(EvictionPolicy):
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         now = entry.created
         parent = self.cache.parent_of(entry)
-        ghost = self._take_ghost(self.cache.key_of(entry))
+        ghost = self.ghosts.take(self.cache.key_of(entry))
         if parent is not None and parent.created == now:  # the same insert's chain (hash blocks): one class
             record = Record(parent.state.cls, parent.state.turn, now)
         elif ghost is not None:  # it was here before: a continuation the eviction lost
@@ -150,7 +149,7 @@ class Learned(EvictionPolicy):
         record = entry.state
         if record.cls == TAIL or self._class_of(record) == SHARED:
             return
-        self._add_ghost(self.cache.key_of(entry), record, len(entry))
+        self.ghosts.add(self.cache.key_of(entry), len(entry), 8 * max(self.capacity(), 1), record)
         parent = self.cache.parent_of(entry)
         if parent is not None and self.cache.is_last_child(entry):  # the path's rest keeps its latest class
             above = parent.state
@@ -158,25 +157,6 @@ class Learned(EvictionPolicy):
                 above.cls, above.turn, above.born = record.cls, record.turn, record.born
                 self.push(parent)  # its rank changed (the hash cache would keep its old heap item)
 
-    def _add_ghost(self, key: Hashable, record: Record, size: int) -> None:
-        """Remember an evicted entry, the oldest forgotten past 8 x the cache's tokens. O(1) amortized."""
-        self._take_ghost(key)
-        self.ghosts[key] = (record, size)
-        self._ghost_tokens += size
-        while self._ghost_tokens > 8 * max(self.capacity(), 1) and self.ghosts:
-            self._ghost_tokens -= self.ghosts.popitem(last=False)[1][1]
-
-    def _take_ghost(self, key: Hashable) -> Record | None:
-        ghost = self.ghosts.pop(key, None)
-        if ghost is None:
-            return None
-        self._ghost_tokens -= ghost[1]
-        return ghost[0]
-
     def check_invariants(self, entries: Sequence[Entry], require: Callable[..., None]) -> None:
         require(all(isinstance(e.state, Record) for e in entries), "learned: every entry has its record")
-        require(self._ghost_tokens == sum(size for _, size in self.ghosts.values()), "learned: ghost tokens")
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "horizon": self.horizon, "gap_edges": self.gap_edges,
-                "shared_matches": self.shared_matches, "prior": self.prior, "refit_every": self.refit_every}
+        require(self.ghosts.counted(), "learned: ghost tokens")

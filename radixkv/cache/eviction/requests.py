@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction.base import Entry, EvictionPolicy, LazyHeap, Live, check_param, ranked
@@ -48,6 +47,7 @@ class TTL(EvictionPolicy):
 
     name = "ttl"
     observes = True
+    params = ("ttl",)
 
     def __init__(self, ttl: float = 30.0):
         check_param("ttl", "ttl", ttl, 0.0)
@@ -85,9 +85,6 @@ class TTL(EvictionPolicy):
             for entry in entries:
                 entry.state = max(entry.state or 0.0, until)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "ttl": self.ttl}
-
 
 class TLRU(EvictionPolicy):
     """Tail-optimized LRU (Zhang et al., arXiv:2510.15152), as SGLang defines it.
@@ -107,6 +104,7 @@ class TLRU(EvictionPolicy):
 
     name = "tlru"
     observes = True
+    params = ("threshold", "next_prompt_estimate")
 
     def __init__(self, threshold: int = 4096, next_prompt_estimate: int = 512):
         check_param("tlru", "threshold", threshold, 0, integer=True)
@@ -126,6 +124,3 @@ class TLRU(EvictionPolicy):
             end = entries[-1].depth + len(entries[-1])
             for entry in entries:
                 entry.state = max(entry.state or 0, end)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "threshold": self.threshold, "next_prompt_estimate": self.next_prompt_estimate}

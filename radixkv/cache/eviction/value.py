@@ -3,8 +3,6 @@ Frequency) and a learned estimate of their reuse."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from radixkv.cache.eviction.base import Entry, EvictionPolicy, Live, check_param
 
 
@@ -24,6 +22,7 @@ class Cost(EvictionPolicy):
     """
 
     name = "cost"
+    params = ("prefill_per_token", "attention_per_pair")
 
     def __init__(self, prefill_per_token: float = 3.5e-4, attention_per_pair: float = 2.0e-8):
         check_param("cost", "prefill_per_token", prefill_per_token, 0.0)
@@ -50,7 +49,3 @@ class Cost(EvictionPolicy):
             return None
         self.inflation = max(self.inflation, item[0])
         return item[1]
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "prefill_per_token": self.prefill_per_token,
-                "attention_per_pair": self.attention_per_pair}
