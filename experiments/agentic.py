@@ -25,8 +25,8 @@ One JSON line per configuration in ``OUT/agentic.jsonl`` with its full config (a
 already there, so the grid can be run a part at a time; the tables and figures show every row of the
 file); configurations run as Ray tasks of one CPU (``--no-ray``: here, in turn). Also ``OUT/config.json``,
 ``OUT/tables.md`` (as printed) and the figures ``OUT/hit_rate_vs_capacity.png``,
-``OUT/ttft_vs_capacity.png``. A full replay takes about a minute at 2M tokens on one core; the default grid
-is hundreds of them (hours): pass subsets of the flags.
+``OUT/ttft_vs_capacity.png`` and ``OUT/sessions_ttft_vs_capacity.png``. A full replay takes about a minute
+at 2M tokens on one core; the default grid is hundreds of them (hours): pass subsets of the flags.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
                                router_params=sweep.router_params(config["router"], config["capacity_tokens"],
                                                                  "radix", PAGE, PAGE), **common)
         rows = [row for rep in res.replicas for row in rep.per_request]
+        learned = {}
     else:
         host = int(config["host_ratio"] * config["capacity_tokens"]) or None
         res = simulate(requests, eviction_policy=config["eviction_policy"], host_capacity_tokens=host,
@@ -172,8 +173,9 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
                        schedule_policy=config.get("schedule_policy", "fcfs"),
                        eviction_params=config.get("eviction_params") or {}, **common)
         rows = res.per_request
+        learned = {"eviction": res.config["eviction"]}  # the session policy's learned holds, for one
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
-            "seconds": time.perf_counter() - t0}
+            **learned, "seconds": time.perf_counter() - t0}
 
 
 def misses(rows: list[dict]) -> dict:
@@ -241,6 +243,13 @@ def session_table(rows: list[dict]) -> list[str]:
                      f"{c['concurrency']:g} | {c['label']} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | "
                      f"{r['ttft_p99']:.1f} | {r['service_time_mean']:.0f} | "
                      f"{r['loaded_tokens'] / 1e6:.0f} / {r['written_tokens'] / 1e6:.0f} |")
+    learned = [r for r in rows if "learned_hold_main" in (r.get("eviction") or {})]
+    if learned:
+        lines += ["", "Tool-call holds the session eviction policy learned (device tier, at the end; main agent / "
+                  "sub-agents, seconds): " + "; ".join(
+                      f"{r['config']['capacity_tokens'] / 1e6:g}M{' + host' if r['config']['host_ratio'] else ''} "
+                      f"at {r['config']['concurrency']:g}: {r['eviction']['learned_hold_main']:.1f} / "
+                      f"{r['eviction']['learned_hold_sub']:.1f}" for r in learned) + "."]
     return [*lines, ""]
 
 
@@ -310,7 +319,7 @@ def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
 
     cap_rows = [r for r in rows if r["config"]["part"] == "capacity" and r["config"]["cache"] == "radix"]
     if not cap_rows:
-        return []
+        return draw_sessions(rows, out, plt)
     preset = sorted({r["config"]["cost_preset"] for r in cap_rows})[0]
     concs = sorted({r["config"]["concurrency"] for r in cap_rows})
     paths = []
@@ -335,7 +344,46 @@ def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
         axes[0][-1].legend(fontsize=7)
         paths.append(save_figure(fig, out / name))
         plt.close(fig)
-    return paths
+    return paths + draw_sessions(rows, out, plt)
+
+
+def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
+    """Part sessions: mean TTFT against device capacity per configuration (device alone, and with a host
+    tier), at each concurrency; LRU with FCFS from part capacity too, so the whole cliff shows."""
+    from experiments.common import log_capacity_axis
+
+    sel = [r for r in rows if r["config"]["part"] == "sessions"]
+    if not sel:
+        return []
+    preset = sel[0]["config"]["cost_preset"]
+    concs = sorted({r["config"]["concurrency"] for r in sel})
+    fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
+    for ax, conc in zip(axes[0], concs, strict=True):
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            c = r["config"]
+            if (c["concurrency"], c["cost_preset"], c["cache"]) != (conc, preset, "radix"):
+                continue
+            if c["part"] == "capacity" and c["eviction_policy"] == "lru":
+                label = "lru (capacity grid)"
+            elif c["part"] == "sessions":
+                label = c["label"] + (f" + host {c['host_ratio']:g}x" if c["host_ratio"] else "")
+            else:
+                continue
+            lines.setdefault(label, []).append((c["capacity_tokens"] / 1e6, r["ttft_mean"]))
+        colors = {name: f"C{i}" for i, name in enumerate(SESSION_CONFIGS)} | {"lru (capacity grid)": "k"}
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            name = label.split(" + ")[0]  # one colour per configuration; dashed with a host tier
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label, color=colors[name],
+                    ls="--" if "host" in label else "-", lw=2.2 if name.startswith(("lru", "session")) else 1.0)
+        ax.set_yscale("log")
+        log_capacity_axis(ax, sorted({c for pts in lines.values() for c, _ in pts}),
+                          "device tokens per replica (millions)")
+        ax.set_ylabel("mean TTFT (s)")
+        ax.set_title(f"sessions: {conc:g} active, {preset}")
+        ax.legend(fontsize=7)
+    return [save_figure(fig, out / "sessions_ttft_vs_capacity")]
 
 
 # ---------------------------------------------------------------------------------------------- main

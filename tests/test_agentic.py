@@ -192,14 +192,19 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
             "2", "--cost-presets", "llama3-8b-h100", "--policies", "lru,belady", "--routers", "round_robin,affinity",
             "--replicas", "2", "--write-policies", "write_back"]
     rows = experiment.main(argv)
-    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; per capacity
-    assert len(rows) == 2 * (3 + 1 + 3)
+    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: six
+    # configurations on the device alone, five over a host tier (belady: the device alone); per capacity
+    assert len(rows) == 2 * (3 + 1 + 3 + 11)
+    learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
+    assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")
     assert set(run["missed_by_after"]) == {"tool_use", "end_turn", "", "None"} and run["session_time_mean"] > 0
     assert run["config"]["concurrency"] == 2 and run["config"]["capacity_tokens"] in (1000, 4000)
     text = (out / "tables.md").read_text()
     assert "Upper bound" in text and "Capacity cliff" in text and "| lru | belady |" in text
+    assert "### sessions" in text and "Tool-call holds the session eviction policy learned" in text
     assert (out / "config.json").is_file() and (out / "hit_rate_vs_capacity.png").is_file()
+    assert (out / "sessions_ttft_vs_capacity.png").is_file()
     assert experiment.main(argv) and len((out / "agentic.jsonl").read_text().splitlines()) == len(rows)  # resumed
     with pytest.raises(ValueError, match="--policies"):
         experiment.main([*argv, "--policies", "nope"])

@@ -48,7 +48,7 @@ class TestRoundRobin:
 
     @pytest.fixture(scope="class")
     def cluster(self):
-        with Cluster("tiny-random", replicas=2, kv_cache_tokens=KV) as cluster:
+        with Cluster("tiny-random", replicas=2, router="round_robin", kv_cache_tokens=KV) as cluster:
             yield cluster
 
     def test_same_tokens_as_one_llm_decisions_alternate_and_stats_per_replica(self, cluster):
@@ -124,27 +124,35 @@ def test_kv_events_route_by_what_each_replica_caches_and_match_the_simulator():
 
 
 def test_affinity_decides_the_same_on_ray_as_in_the_simulator():
-    """radixkv's router, on the same request stream (6 conversations x 3 turns, turns shuffled),
-    sends every request to the same replica on the Ray cluster as in the simulated cluster."""
+    """radixkv's router, on the same request stream (6 sessions x 4 turns, turns shuffled, each request carrying
+    its session), sends every request to the same replica on the Ray cluster as in the simulated cluster; in
+    the last turn every session sends a prompt unrelated to its history (a sub-agent's), and the session hint
+    keeps it on its replica all the same."""
     rng = np.random.default_rng(1)
     histories = [SYSTEM + list(map(int, rng.integers(3, 500, 40 + 10 * s))) for s in range(6)]
     params = dict(replicas=2, router="affinity", router_params={"capacity_tokens": KV})
     rounds: list[list[Request]] = []
+    where: dict[str, set[int]] = {}
     with Cluster("tiny-random", kv_cache_tokens=KV, **params) as cluster:
-        for turn in range(3):
+        for turn in range(4):
             order = rng.permutation(6)
+            if turn == 3:
+                histories = [list(map(int, rng.integers(3, 500, 30))) for _ in range(6)]
             prompts = [histories[s] for s in order]
-            outs = cluster.generate(prompts, SP)
-            rounds.append([Request(1000.0 * turn, -1, np.array(p), 6, output=np.array(o.token_ids))
-                           for p, o in zip(prompts, outs, strict=True)])
-            for s, o in zip(order, outs, strict=True):
+            sps = [SamplingParams(max_new_tokens=6, ignore_eos=True, session=f"s{s}") for s in order]
+            outs = cluster.generate(prompts, sps)
+            rounds.append([Request(100.0 * turn, f"s{s}", np.array(p), 6, output=np.array(o.token_ids))
+                           for s, p, o in zip(order, prompts, outs, strict=True)])
+            for s, o, d in zip(order, outs, cluster.decisions[-6:], strict=True):
                 histories[s] = histories[s] + o.token_ids + list(map(int, rng.integers(3, 500, 8)))
+                where.setdefault(f"s{s}", set()).add(d)
         ray_decisions = list(cluster.decisions)
+        assert cluster.router.counts["session"] > 0
         cluster.check_idle()
     stream = [r for rnd in rounds for r in rnd]
     sim = simulate_cluster(stream, capacity_tokens=KV, references=False, **params)
     assert sim.decisions == ray_decisions
-    assert len(set(ray_decisions)) == 2
+    assert len(set(ray_decisions)) == 2 and all(len(v) == 1 for v in where.values())
 
 
 def test_bad_arguments_fail_before_or_without_leaving_actors():

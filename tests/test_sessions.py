@@ -99,7 +99,8 @@ def test_the_server_takes_prompt_cache_key_and_cache_control_and_refuses_bad_hin
         assert ok.status_code == 200, ok.text
         for bad in [{"prompt_cache_key": 7}, {"prompt_cache_key": ""}, {"cache_control": {"ttl": "forever"}},
                     {"cache_control": {"type": "persistent"}}, {"cache_control": {"ttl": -1}},
-                    {"cache_control": {"ttl": True}}, {"cache_control": "5m"}, {"cache_control": {"tl": "5m"}}]:
+                    {"cache_control": {"ttl": True}}, {"cache_control": "5m"}, {"cache_control": {"tl": "5m"}},
+                    {"cache_control": {"ttl": 10**400}}]:
             r = httpx.post(f"{base}/v1/completions", json={**tokens, **bad})
             assert r.status_code == 400, (bad, r.text)
             assert "error" in r.json() and r.json()["error"]["message"], r.text
@@ -148,6 +149,57 @@ def test_sessions_in_service_go_first_and_no_new_session_starts_past_the_device(
     assert [x.request.rid for x in policy.order([_cand(s) for s in (b, c)])] == [2]
     clock[0] = 31.0  # both waited past max_wait: they go whatever the holds (soft), oldest session first
     assert [x.request.rid for x in policy.order([_cand(s) for s in (b, c)])] == [2, 3]
+
+
+def test_an_aged_request_goes_before_sessions_in_service_so_none_starves():
+    """A session in service that sends call after call never keeps another session's request waiting past
+    ``max_wait``: the aged request is then offered alone, ahead of the session's next call."""
+    clock = [0.0]
+    sched, policy = _scheduler(1000, clock)
+    x = _req(1, "X", 500)
+    sched.add(x)
+    a = _req(2, "A", 600, stop="tool_use")
+    sched.add(a)
+    sched.waiting.remove(a)
+    policy.finished(a, 600)  # A is in a tool call, holding 600 of 1,000: X (500) does not fit beside it
+    clock[0] = 20.0
+    a2 = _req(3, "A", 610)  # A's next call, after its tool ran
+    sched.add(a2)
+    assert [c.request.rid for c in policy.order([_cand(x), _cand(a2)])] == [3]
+    clock[0] = 30.0  # X has waited max_wait; A's call has not
+    assert [c.request.rid for c in policy.order([_cand(x), _cand(a2)])] == [1]
+
+
+def test_the_session_policy_s_books_stay_the_size_of_its_queue():
+    """Requests aborted while waiting leave nothing behind; a request of no session orders by its arrival."""
+    clock = [0.0]
+    sched, policy = _scheduler(1000, clock)
+    for rid in range(50):
+        sched.add(RequestState(rid, [1, 2, 3]))
+    for s in list(sched.waiting):
+        sched.abort(s)
+    sched.add(_req(99, "S", 10))
+    policy.order([_cand(s) for s in sched.waiting])
+    assert set(policy.since) == {99} and set(policy.started) == {"S"}
+
+
+def test_in_batch_sharing_does_not_admit_what_the_session_policy_left_out():
+    """The engine's default wraps the policy in in-batch sharing, which lends a running prefill's slots to
+    requests it held back; a request the session policy left out (no room beside the sessions in service)
+    is not one of them."""
+    llm = LLM("tiny-random", kv_cache_tokens=256, page_size=1, schedule_policy="session", max_batch_tokens=64,
+              chunked_prefill_size=64)
+    sched = llm.scheduler
+    inner = sched.policy.inner
+    inner.held["H"] = _Held(230, sched.clock(), 0)  # a session in a tool pause holds 230 of 256
+    inner.pauses[False] = [100.0, 1]  # its learned hold (200 s) outlasts the test
+    shared = list(range(1, 41))  # A's prefill computes it all this step: B could borrow its slots
+    a = RequestState(1, shared + [200], hints=CacheHints(session="H", stream=0))
+    b = RequestState(2, shared + [201], hints=CacheHints(session="B", stream=0))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.rid for s in sched.running] == [1] and [s.rid for s in sched.waiting] == [2], batch
 
 
 def test_nothing_running_means_the_oldest_waiting_request_is_offered():
@@ -202,6 +254,20 @@ def test_retention_learns_the_tool_pause_and_ranks_cold_turns_first():
     assert policy.hold_for(False) == pytest.approx(2 * 4.0) and policy.hold_for(True) == policy.hold_s
     assert sorted(cache.evict(10).tolist()) == list(range(10))  # a hold yields when nothing else can go
     cache.check_invariants()
+
+
+def test_held_paths_yield_to_an_admission_in_the_engine_and_nothing_stalls():
+    """Holds are soft: a pool full of tool-call holds still admits a prompt that needs all of it (the engine's
+    stall detection would raise ``EngineStalledError`` otherwise), and the holds it evicted leave no slot behind."""
+    llm = LLM("tiny-random", kv_cache_tokens=256, eviction_policy="session", page_size=1)
+    held = CacheHints(request=1, session="A", stream=0, stop="tool_use")
+    for k in range(4):  # four sessions in a tool call: 240 of 256 slots held
+        tokens = np.arange(1000 * (k + 1), 1000 * (k + 1) + 60)
+        llm.cache.insert(tokens, llm.allocator.alloc(60), hints=held._replace(session=k))
+    assert llm.cache.evictable_size == 240
+    out = llm.generate([list(range(1, 201))], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
+    check_idle(llm.cache, llm.allocator)
 
 
 # ------------------------------------------------------------------ routing

@@ -169,6 +169,7 @@ class TieredCache:
             if not tier.shared:
                 tier.cache.listener = None if listener is None else _with_medium(listener, tier.medium)
 
+    policy = property(lambda self: self.device.policy, doc="The device tier's eviction policy (each tier has its own).")
     total_size = property(lambda self: self.device.total_size, doc="Tokens on the device tier.")
     evictable_size = property(lambda self: self.device.evictable_size, doc="Unlocked device tokens.")
     protected_size = property(lambda self: self.device.protected_size, doc="Locked device tokens.")

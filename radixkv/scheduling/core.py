@@ -299,7 +299,9 @@ class Scheduler:
         if not self.policy.sees_in_flight:
             return offered, []
         chosen = {id(r) for r in offered}
-        return offered, [s for s in self.waiting if id(s) not in chosen]
+        # what the inner policy left out (a session policy's gate) is not held back but not offered at all
+        inner = getattr(self.policy, "inner_offered", None)
+        return offered, [s for s in self.waiting if id(s) not in chosen and (inner is None or id(s) in inner)]
 
     def _admit(self, s: RequestState, budget: float, lend: tuple[RequestState, int] | None = None) -> int:
         """Match, lock and allocate ``s``'s first chunk (or its whole KV); its chunk's tokens, or 0 when memory

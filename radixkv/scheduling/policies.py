@@ -176,8 +176,9 @@ class InBatchPrefixSharing:
 
         for c in in_flight:
             add(flight, c)
-        offered = []
-        for c in self.inner.order(waiting):
+        offered, inner = [], self.inner.order(waiting)
+        self.inner_offered = {id(c.request) for c in inner}  # what it holds back may borrow slots; the rest waits
+        for c in inner:
             # [:-1] as match_for_prefill: the last prompt token is always computed, so it is never a hit to wait for
             if in_flight and flight.match_prefix(c.tokens[:-1], c.namespace).length - c.match.length >= self.threshold:
                 continue  # a running prefill is computing what this one would recompute

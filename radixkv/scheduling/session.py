@@ -16,10 +16,11 @@ has started:
 * any other waiting request starts only when the device holds it beside what the sessions in service
   hold (the running requests' slots and each held session's last sequence), sessions that came first
   first (program order, as Continuum's FCFS over programs);
-* **bounded wait**: a request that has waited ``max_wait`` seconds may take the room of held sessions (holds
-  are soft), though never of running requests; and when nothing runs the oldest waiting request is always
-  offered. So once the running requests ahead of it finish, a request waits at most ``max_wait`` seconds
-  for holds, and the queue never stalls.
+* **bounded wait**: once any request has waited ``max_wait`` seconds, the requests that have are the only
+  ones offered, oldest first, until they are admitted: no session in service goes ahead of them, and they
+  take the room of held sessions (holds are soft), though never of running requests. So a request waits at
+  most ``max_wait`` seconds plus the time the requests running then take to finish (and the aged ones ahead
+  of it); when nothing runs the oldest waiting request is always offered, so the queue never stalls.
 
 The scheduler admits the offered requests while memory lasts, evicting by the cache's own policy (under
 LRU the contexts of sessions out of service go first: theirs were used longest ago; the ``session``
@@ -78,7 +79,8 @@ class SessionAware:
         """A request joined the queue; the tool pause it ends is learned."""
         now = self.scheduler.clock()
         self.since[state.rid] = now
-        self.started.setdefault(_key(state), now)
+        if state.hints.session is not None:  # a request of no session is ordered by its own arrival
+            self.started.setdefault(state.hints.session, now)
         held = self.held.get(_key(state))
         if held is not None and held.stream == state.hints.stream:
             total = self.pauses[bool(held.stream)]
@@ -107,22 +109,35 @@ class SessionAware:
         running = {}
         for s in scheduler.running:
             running[_key(s)] = running.get(_key(s), 0) + len(s.slots)
-        busy = sum(running.values())  # what running requests hold: no admission can take it
-        committed = busy + sum(h.footprint for k, h in self.held.items() if k not in running)
+        # what running requests hold, and the contexts of sessions held through a tool call
+        committed = sum(running.values()) + sum(h.footprint for k, h in self.held.items() if k not in running)
         capacity = scheduler.allocator.capacity
+        self._forget(waiting, scheduler.running)
+        aged = [c for c in waiting if now - self.since.get(c.request.rid, now) >= self.max_wait]
+        if aged:  # they go first, alone, in arrival order: running requests finish, holds yield, so none starves
+            return sorted(aged, key=lambda c: c.order)
         first, rest = [], []
         for c in sorted(waiting, key=lambda c: c.order):
             (first if _key(c.request) in running or _key(c.request) in self.held else rest).append(c)
-        for c in sorted(rest, key=lambda c: (self.started.get(_key(c.request), now), c.order)):
-            need = len(c.tokens)
-            aged = now - self.since.get(c.request.rid, now) >= self.max_wait
-            if committed + need <= capacity or (aged and busy + need <= capacity):
+        for c in sorted(rest, key=lambda c: (self.started.get(_key(c.request), self.since.get(c.request.rid, now)),
+                                              c.order)):
+            if committed + len(c.tokens) <= capacity:
                 first.append(c)
-                committed += need
-                busy += need
+                committed += len(c.tokens)
         if not first and waiting and not scheduler.running:
             first.append(min(waiting, key=lambda c: c.order))  # nothing runs: the oldest goes, never a stall
         return first
+
+    def _forget(self, waiting: Sequence[Any], running: Sequence[Any]) -> None:
+        """Drop what requests that left without finishing (aborted, withdrawn) and long-gone sessions left
+        behind, so a server's books stay the size of its queue. O(books) when they have outgrown it."""
+        live = [c.request for c in waiting] + list(running)
+        if len(self.since) > len(live):
+            rids = {s.rid for s in live}
+            self.since = {rid: t for rid, t in self.since.items() if rid in rids}
+        if len(self.started) > 2 * (len(live) + len(self.held)) + 1024:
+            keep = {_key(s) for s in live} | set(self.held)
+            self.started = {k: t for k, t in self.started.items() if k in keep}
 
 
 def _key(state: Any) -> Hashable:

@@ -13,7 +13,6 @@ key for requests that share a prefix) names the request's session (``SamplingPar
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Literal
 
@@ -45,8 +44,8 @@ class CacheControl(BaseModel):
             if m is None:
                 raise ValueError(f"ttl must look like '5m', '1h' or '30s', or be seconds, got {value!r}")
             value = float(m.group(1)) * _UNITS[m.group(2)]
-        if isinstance(value, bool) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"ttl must be a finite number of seconds >= 0, got {value!r}")
+        if isinstance(value, bool) or not 0 <= value <= 1e12:  # NaN fails; so does an int past float's range
+            raise ValueError(f"ttl must be a number of seconds from 0 to 1e12, got {str(value)[:40]}")
         return float(value)
 
 

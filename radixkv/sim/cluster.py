@@ -294,7 +294,9 @@ def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, p
     has only replica 0 to choose)."""
     stack, named = build_replica(requests, config, preemption, cache, cost)
     result = run_cluster(requests, [stack], RoundRobin(), cost).replicas[0]  # one replica: always 0
-    result.config = {**named, "cost_model": asdict(cost), "requests": len(requests)}
+    policy = getattr(stack.cache, "policy", None)  # the "none" cache has none
+    result.config = {**named, "cost_model": asdict(cost), "requests": len(requests),
+                     "eviction": None if policy is None else policy.describe()}  # with what it learned by the end
     return result
 
 

@@ -7,9 +7,10 @@ the stop reason with the insert a request makes when it finishes:
 * after a **tool call** the path is **held** for the stream kind's learned tool pause: ``hold_factor`` x the
   mean of the pauses this cache observed (a finish with a tool call, then the same session's next match),
   kept apart for main agents (stream 0) and sub-agents, ``hold`` seconds before any was seen;
-* after the **end of a turn** (or any other recorded end) the path is **cold**: it goes first, so under a
-  tiered cache it is the first demoted to the host tier, where it waits for the human;
-* anything else (prefill chunks, a stop not recorded) is ranked least recently used.
+* after the **end of a turn** (``end_turn``) the path is **cold**: it goes first, so under a tiered cache it
+  is the first demoted to the host tier, where it waits for the human;
+* anything else (prefill chunks, a stop not recorded, the engine's ``stop`` / ``length``, which say nothing
+  of what comes next) is ranked least recently used.
 
 Victims: cold entries first, then unheld ones, least recently used first; held entries only when nothing
 else is left, earliest hold end first (holds are soft: a hold never keeps an admission from memory).
@@ -30,7 +31,8 @@ from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction.base import Entry, LazyHeap, Live, check_param
 from radixkv.cache.eviction.requests import TTL
 
-TOOL_USE = "tool_use"
+TOOL_USE, END_TURN = "tool_use", "end_turn"
+PENDING_MAX = 4096  # tool calls awaiting their session's return, at most
 COLD = -1.0  # ``entry.state`` of a path a turn ended on; a hold stores its end (> 0), 0 is unheld
 
 
@@ -90,12 +92,15 @@ class SessionRetention(TTL):
         if hints.stop == TOOL_USE:
             sub = bool(hints.stream)
             if hints.session is not None:
+                if len(self.pending) >= PENDING_MAX:  # sessions that never came back: forget the older half
+                    for key in sorted(self.pending, key=lambda k: self.pending[k][0])[: PENDING_MAX // 2]:
+                        del self.pending[key]
                 self.pending[hints.session] = (self.clock(), sub)
             return self.clock() + self.hold_for(sub)
-        if hints.stop:  # a turn ended (or a length / stop string): a human answers next, if anyone
+        if hints.stop:  # the answer ended otherwise: no tool call to wait for
             self.pending.pop(hints.session, None)
-            return COLD
-        return 0.0
+        # a turn's end waits for a human, if anyone; an engine's "stop" / "length" says nothing of what follows
+        return COLD if hints.stop == END_TURN else 0.0
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "hold": self.hold_s, "hold_factor": self.hold_factor,
