@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -29,15 +29,13 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
         seq = prompt if r.output is None else np.concatenate([prompt, r.output[:-1]])
         tree.insert(seq, np.arange(slot, slot + len(seq)), r.namespace)
         slot += len(seq)
-    reach_cap: dict[int, int] = {}  # node -> requests reaching it within their cacheable prefix
-    reach_all: dict[int, int] = {}  # node -> requests whose whole-page prompt reaches it
-    generated: dict[int, int] = {}  # node -> requests that generated it (past their prompt)
-    nodes: dict[int, Any] = {}
+    reach_cap: Counter = Counter()  # node -> requests reaching it within their cacheable prefix
+    reach_all: Counter = Counter()  # node -> requests whose whole-page prompt reaches it
+    generated: Counter = Counter()  # node -> requests that generated it (past their prompt)
 
-    def climb(node, counts: dict[int, int], stop=None) -> None:
+    def climb(node, counts: Counter, stop=None) -> None:
         while node.parent is not None and node is not stop:
-            nodes[id(node)] = node
-            counts[id(node)] = counts.get(id(node), 0) + 1
+            counts[node] += 1
             node = node.parent
 
     def ends(r: Request):
@@ -57,9 +55,8 @@ def upper_bound(requests: Sequence[Request], page_size: int = 1) -> float:
         climb(end_prompt, reach_all)
         if end_seq is not None:
             climb(end_seq, generated, stop=end_prompt)
-    hits = 0
-    for key, a in reach_cap.items():
-        computed_anyway = reach_all.get(key, 0) > a or key in generated
-        hits += len(nodes[key]) * (a if computed_anyway else a - 1)
+    # a node computed anyway (by a longer prompt, or as a generated answer) is a hit for all who reach it
+    hits = sum(len(node) * (a if reach_all[node] > a or node in generated else a - 1)
+               for node, a in reach_cap.items())
     total = sum(r.prompt_len for r in requests)
     return hits / total if total else 0.0

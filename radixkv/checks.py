@@ -28,6 +28,5 @@ def checked_number(value: object, name: str, low: float = 0.0, integer: bool = F
     ``name``. A bool is not a number here."""
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
     if isinstance(value, bool) or not ok or not math.isfinite(value) or value < low:
-        kind = "an int" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} >= {low}, got {value!r}")
+        raise ValueError(f"{name} must be {'an int' if integer else 'a number'} >= {low}, got {value!r}")
     return value

@@ -25,9 +25,8 @@ from radixkv.model.llama import LlamaForCausalLM
 def takes_cpu_path(pool: KVPool, attention_backend: str) -> bool:
     """Whether ``build_forward`` serves this pool through ``radixkv.cpu``: a pool on the CPU with
     ``attention_backend="cpu"``, or a 16-bit one with ``auto`` (float32 stays on the plain path, the oracle)."""
-    if pool.device.type != "cpu":
-        return False
-    return attention_backend == "cpu" or (attention_backend == "auto" and pool.dtype != torch.float32)
+    return pool.device.type == "cpu" and (
+        attention_backend == "cpu" or (attention_backend == "auto" and pool.dtype != torch.float32))
 
 
 def build_forward(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "auto",

@@ -115,12 +115,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, names: Collection[str]
     for f in described(cls):
         if (names is not None and f.name not in names) or f.name in skip:
             continue
-        spellings = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
         options = dict(_kind(f)[1][2], dest=f.name, default=defaults.get(f.name, default_of(f)),
                        help=helps.get(f.name, f.metadata["help"]))
-        if choices.get(f.name, f.metadata["choices"]) is not None:
-            options["choices"] = list(choices.get(f.name, f.metadata["choices"]))
-        parser.add_argument(*dict.fromkeys(spellings), **options)
+        if (chosen := choices.get(f.name, f.metadata["choices"])) is not None:
+            options["choices"] = list(chosen)
+        parser.add_argument(*dict.fromkeys(["--" + f.name.replace("_", "-"), *f.metadata["flags"]]), **options)
 
 
 class SettingsNamespace(argparse.Namespace):

@@ -177,8 +177,7 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     if cache is None and config.tiers:
         tiers = [storage if storage is not None and spec.name == storage.name else lower_tier(config, spec, memory)
                  for spec in config.tiers]
-        prefix_cache = TieredCache(prefix_cache, tiers,
-                                   config.write_policy, config.write_threshold, worth_loading,
+        prefix_cache = TieredCache(prefix_cache, tiers, config.write_policy, config.write_threshold, worth_loading,
                                    None if memory is None else memory.mover())
     page = prefix_cache.page_size  # the granularity every cache exposes: its whole pages or blocks
     # in-batch sharing never applies without a prefix cache: holding requests back for one only delays them

@@ -17,12 +17,9 @@ def as_token_array(tokens: TokenSeq) -> np.ndarray:
     is a contiguous 1-D int64 numpy array (callers copy what they keep).
     O(n), and O(n) Python work only for lists and tuples.
     """
-    if isinstance(tokens, np.ndarray):
-        arr = tokens
-    elif hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor, without importing torch
-        arr = tokens.detach().cpu().numpy()
-    else:
-        arr = np.asarray(tokens)
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)  # an ndarray as it is, no copy
     if arr.ndim != 1:
         raise ValueError(f"expected a 1-D sequence of integer ids, got shape {arr.shape}")
     if arr.dtype != np.int64:

@@ -215,14 +215,13 @@ def draw_tree(tree: Any, ax: Any = None, *, diff: TreeDiff | None = None, new: I
     leaves = _place(root)
     depth = -min(item["y"] for item in drawn.values())
     ax = _axes(ax, (max(4.0, 1.5 * leaves), max(2.5, 1.3 * (depth + 1))))
+    ax.text(root["x"], 0, "root", ha="center", va="center", fontsize=fontsize, zorder=3,
+            bbox=dict(boxstyle="circle,pad=0.3", fc="white", ec="black"))
     for item in drawn.values():
         for kid in item["kids"]:
             ghost = kid["status"] == "evicted"
             ax.plot([item["x"], kid["x"]], [item["y"], kid["y"]], color="#cb181d" if ghost else "#969696",
                     ls="--" if ghost else "-", lw=1, zorder=1)
-    ax.text(root["x"], 0, "root", ha="center", va="center", fontsize=fontsize, zorder=3,
-            bbox=dict(boxstyle="circle,pad=0.3", fc="white", ec="black"))
-    for item in drawn.values():
         if not item["path"]:
             continue
         status = item["status"]
@@ -255,15 +254,11 @@ def draw_blocks(tree: Any, ax: Any = None, *, decode: Decode | None = None, titl
     from matplotlib.patches import Rectangle
 
     chains, seen = [], set()
-
-    def walk(node: dict[str, Any], chain: list[tuple[Path, dict[str, Any]]], path: Path) -> None:
-        for child in node["children"]:
-            here = path + tuple(child["tokens"])
-            walk(child, [*chain, (here, child)], here)
-        if not node["children"] and chain:
-            chains.append(chain)
-
-    walk(snapshot(tree), [], ())
+    chain_to: dict[Path, list[tuple[Path, dict[str, Any]]]] = {(): []}  # each node's chain, root side first
+    for path, parent, node in iter_nodes(snapshot(tree)):
+        chain_to[path] = [*chain_to[parent], (path, node)]
+        if not node["children"]:
+            chains.append(chain_to[path])
     width = max((len(c) for c in chains), default=1)
     ax = _axes(ax, (max(4.0, (0.3 + 0.07 * wrap) * width), max(1.5, 0.8 * len(chains) + 0.6)))
     for row, chain in enumerate(chains):

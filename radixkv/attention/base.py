@@ -76,9 +76,8 @@ class AttentionBatch:
     def query_rows(self, requests: Sequence[int]) -> np.ndarray:
         """The flat query rows of ``requests`` (request indices, in order), int64."""
         starts = self.qo_indptr
-        if not len(requests):
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(starts[r], starts[r + 1], dtype=np.int64) for r in requests])
+        return np.concatenate([np.zeros(0, dtype=np.int64),
+                               *(np.arange(starts[r], starts[r + 1], dtype=np.int64) for r in requests)])
 
 
 class AttentionBackend(Protocol):

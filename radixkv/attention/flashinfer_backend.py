@@ -107,37 +107,29 @@ class FlashInferBackend:
         # groups decode through its tensor-core (prefill) kernel, which takes any group.
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=group not in CUDA_CORE_DECODE_GROUPS)
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._parts = []  # (FlashInfer wrapper, its query rows [rows] int64) per kind of row the step has
 
     def plan(self, batch: AttentionBatch, q_dtype: torch.dtype | None = None) -> None:
-        dev, ps, pool = self.pool.device, self.pool.page_size, self.pool
-        q_dtype = q_dtype or pool.dtype
-        starts = batch.qo_indptr[:-1]
+        pool, ps, dev = self.pool, self.pool.page_size, self.pool.device
         pre, dec = batch.prefills(), batch.decodes()
         to_dev = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
-        self._rows = (torch.as_tensor(batch.query_rows(pre), dtype=torch.long, device=dev),
-                      torch.as_tensor(starts[dec], dtype=torch.long, device=dev))
-        self._has = (bool(pre), bool(dec))
+        self._parts = [(wrapper, torch.as_tensor(batch.query_rows(reqs), dtype=torch.long, device=dev))
+                       for wrapper, reqs in ((self._prefill, pre), (self._decode, dec)) if reqs]
+        common = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads, page_size=ps,
+                      sm_scale=self.scale, q_data_type=q_dtype or pool.dtype, kv_data_type=pool.dtype)
         if pre:
-            indptr, indices, last = page_table([batch.slots[r] for r in pre], ps)
-            qo = np.concatenate([[0], np.cumsum([batch.new_lens[r] for r in pre])]).astype(np.int32)
-            self._prefill.plan(qo_indptr=to_dev(qo), paged_kv_indptr=to_dev(indptr), paged_kv_indices=to_dev(indices),
-                               paged_kv_last_page_len=to_dev(last), num_qo_heads=self.num_qo_heads,
-                               num_kv_heads=pool.num_kv_heads, head_dim_qk=pool.head_dim, page_size=ps, causal=True,
-                               sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
+            indptr, indices, last = map(to_dev, page_table([batch.slots[r] for r in pre], ps))
+            qo = np.concatenate([[0], np.cumsum([batch.new_lens[r] for r in pre])])
+            self._prefill.plan(qo_indptr=to_dev(qo), paged_kv_indptr=indptr, paged_kv_indices=indices,
+                               paged_kv_last_page_len=last, head_dim_qk=pool.head_dim, causal=True, **common)
         if dec:
-            indptr, indices, last = page_table([batch.slots[r] for r in dec], ps)
-            self._decode.plan(indptr=to_dev(indptr), indices=to_dev(indices), last_page_len=to_dev(last),
-                              num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-                              page_size=ps, sm_scale=self.scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
+            indptr, indices, last = map(to_dev, page_table([batch.slots[r] for r in dec], ps))
+            self._decode.plan(indptr=indptr, indices=indices, last_page_len=last, head_dim=pool.head_dim, **common)
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]
         out = torch.empty_like(q)
         kv = self.pool.pages(layer)  # ([num_pages, page_size, num_kv_heads, head_dim],) * 2
-        rows_pre, rows_dec = self._rows
-        if self._has[0]:
-            out[rows_pre] = self._prefill.run(q[rows_pre], kv)
-        if self._has[1]:
-            out[rows_dec] = self._decode.run(q[rows_dec], kv)
+        for wrapper, rows in self._parts:
+            out[rows] = wrapper.run(q[rows], kv)
         return out

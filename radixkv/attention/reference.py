@@ -59,16 +59,13 @@ class ReferencePrefill:
         out = torch.empty_like(q)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         for start, n, idx, mask, mode in self._plan:
-            if isinstance(idx, slice):
-                k, v = k_all[idx], v_all[idx]  # views, no copy
-            else:
-                k, v = torch.index_select(k_all, 0, idx), torch.index_select(v_all, 0, idx)
+            # contiguous slots (a slice) are read as views, no copy; other slots are gathered
+            k, v = (t[idx] if isinstance(idx, slice) else torch.index_select(t, 0, idx) for t in (k_all, v_all))
             if mode == "short":
                 out[start : start + n] = self.short_chunk(q[start : start + n], k, v, mask)
                 continue
             # 4-D [1, heads, tokens, head_dim] inputs: the layout SDPA's fused CPU kernels take
-            k = k.to(q.dtype).transpose(0, 1)[None]  # [1, num_kv_heads, L, head_dim]
-            v = v.to(q.dtype).transpose(0, 1)[None]
+            k, v = (t.to(q.dtype).transpose(0, 1)[None] for t in (k, v))  # [1, num_kv_heads, L, head_dim]
             qr = q[start : start + n].transpose(0, 1)[None]  # [1, num_qo_heads, n, head_dim]
             o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, is_causal=mode == "causal",
                                                scale=self.scale, enable_gqa=self.group > 1)
@@ -112,14 +109,12 @@ class PaddedDecode:
         if not slot_lists:
             self._idx = self._valid = None
             return
-        dev = self.pool.device
-        lens = [len(s) for s in slot_lists]
-        width = max(lens)
-        idx = np.zeros((len(slot_lists), width), dtype=np.int64)  # padding reads slot 0, masked out
-        for i, s in enumerate(slot_lists):
-            idx[i, : lens[i]] = s
-        valid = torch.arange(width, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
-        self._idx, self._valid = torch.as_tensor(idx.reshape(-1), device=dev), valid[None, :, None, :]
+        lens = np.array([len(s) for s in slot_lists])
+        valid = np.arange(lens.max())[None, :] < lens[:, None]  # [B, Lmax]
+        idx = np.zeros(valid.shape, dtype=np.int64)  # padding reads slot 0, masked out
+        idx[valid] = np.concatenate(slot_lists)
+        self._idx = torch.as_tensor(idx.reshape(-1), device=self.pool.device)
+        self._valid = torch.as_tensor(valid, device=self.pool.device)[None, :, None, :]
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [B, num_qo_heads, head_dim], the planned decodes' rows in order
@@ -139,8 +134,8 @@ class PaddedDecode:
         """
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         b, width, h, d = self._valid.shape[1], self._valid.shape[-1], k_all.shape[1], k_all.shape[2]
-        k = torch.index_select(k_all, 0, self._idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
-        v = torch.index_select(v_all, 0, self._idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+        k, v = (torch.index_select(t, 0, self._idx).view(b * width, h, d).transpose(0, 1).reshape(h * b, width, d)
+                for t in (k_all, v_all))
         scores = torch.bmm(qd, k.transpose(1, 2)).float() * self.scale  # [Hkv * B, group, Lmax]
         scores.view(h, b, -1, width).masked_fill_(~self._valid, float("-inf"))
         return scores, v

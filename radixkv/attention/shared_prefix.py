@@ -65,21 +65,18 @@ class CascadeDecode:
         b, h, g, d = q.shape[0], k_all.shape[1], self.group, q.shape[-1]
         qd = q.to(k_all.dtype).reshape(b, h, g, d).transpose(0, 1)  # [Hkv, B, group, D]
         # Level 1: the shared prefix, read once for the whole batch.
-        ks = torch.index_select(k_all, 0, self.shared).transpose(0, 1)  # [Hkv, S, D]
-        vs = torch.index_select(v_all, 0, self.shared).transpose(0, 1)
+        ks, vs = (torch.index_select(t, 0, self.shared).transpose(0, 1) for t in (k_all, v_all))  # [Hkv, S, D]
         s1 = torch.bmm(qd.reshape(h, b * g, d), ks.transpose(1, 2)).float() * self.scale  # [Hkv, B * group, S]
         # Level 2: each request's own slots, padded to the longest.
         s2, v = self.padded.scores(qd.reshape(h * b, g, d), layer)  # [Hkv * B, group, R], [Hkv * B, R, D]
-        width = s2.shape[-1]
-        s2 = s2.view(h, b * g, width)
+        s2 = s2.view(h, b * g, -1)
         # Exact merge: one running maximum, one normalizer over both levels.
         m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))  # [Hkv, B * group, 1]
         p1, p2 = (s1 - m).exp_(), (s2 - m).exp_()
         norm = p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True)
         o = torch.bmm(p1.to(vs.dtype), vs).float()  # [Hkv, B * group, D]
-        o += torch.bmm(p2.view(h * b, g, width).to(v.dtype), v).view(h, b * g, d).float()
-        o = (o / norm).view(h, b, g, d).transpose(0, 1)  # [B, Hkv, group, D]
-        return o.reshape(b, -1, d).to(q.dtype)
+        o += torch.bmm(p2.view(h * b, g, -1).to(v.dtype), v).view(h, b * g, d).float()
+        return (o / norm).view(h, b, g, d).transpose(0, 1).reshape(b, -1, d).to(q.dtype)  # via [B, Hkv, group, D]
 
 
 class SharedPrefixTorchBackend(SplitBackend):

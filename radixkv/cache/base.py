@@ -210,8 +210,7 @@ def match_for_prefill(cache: PrefixCache, tokens: TokenSeq, namespace: Hashable 
     recomputes its whole last page (vLLM recomputes the whole last block).
     This rule belongs to the caller (scheduler, simulator), not to the cache.
     """
-    n = len(tokens)
-    return cache.match_prefix(tokens[: max(n - 1, 0)], namespace, hints)
+    return cache.match_prefix(tokens[: max(len(tokens) - 1, 0)], namespace, hints)
 
 
 def all_unique(values: np.ndarray) -> bool:

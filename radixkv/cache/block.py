@@ -1,5 +1,6 @@
 """``Block`` and ``BlockChain``: the cached blocks of :class:`~radixkv.cache.hash_block.HashBlockCache` and
-the handles its ``match_prefix`` returns; ``BlockBooks``, the sizes both hash caches count alike."""
+the handles its ``match_prefix`` returns; ``BlockBooks``, the sizes both hash caches count alike (and how both
+drop every lock)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class BlockChain(NamedTuple):
 
 class BlockBooks(CacheBooks):
     """The sizes of a cache of whole blocks of ``block_size`` tokens (``HashBlockCache``, ``HashV0Cache``), from
-    its ``_blocks`` and ``_protected_blocks``. O(1) each."""
+    its ``_blocks`` and ``_protected_blocks``. O(1) each but ``_drop_locks``."""
 
     def __init__(self, block_size: int):
         self.block_size = positive_size("block_size", block_size)
@@ -77,3 +78,12 @@ class BlockBooks(CacheBooks):
     @property
     def num_blocks(self) -> int:
         return len(self._blocks)
+
+    def _drop_locks(self) -> list:
+        """Zero every block's lock counts (``unlock_all``; the blocks stay cached): the blocks that were locked,
+        for the cache to rank again. O(blocks)."""
+        locked = [block for block in self._blocks.values() if block.lock_count]
+        for block in locked:
+            block.lock_count = block.own_lock_count = 0
+        self._protected_blocks = 0
+        return locked

@@ -51,8 +51,6 @@ from radixkv.cache.tiers import Untiered
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _LOCK_COUNT = attrgetter("lock_count")
-_HAS_CHILDREN = attrgetter("num_children")
-_DEPTH = attrgetter("depth")
 
 
 class HashBlockCache(BlockBooks, Untiered):
@@ -103,10 +101,10 @@ class HashBlockCache(BlockBooks, Untiered):
             block.lock_count = block.own_lock_count = 0
         self._blocks: dict[BlockKey, Block] = {}
         self.policy.reset()
-        if self.policy.release_order:  # lru: vLLM's release-order queue
-            self._queue: FreeQueue | PolicyFreeQueue = FreeQueue()
-        else:  # ranks by the blocks' own statistics: it must pass over a block whose children are cached
-            self._queue = PolicyFreeQueue(self.policy, waits=_HAS_CHILDREN)
+        # lru: vLLM's release-order queue; the others rank by the blocks' own statistics, so the queue must pass
+        # over a block whose children are cached
+        self._queue: FreeQueue | PolicyFreeQueue = FreeQueue() if self.policy.release_order else PolicyFreeQueue(
+            self.policy, waits=attrgetter("num_children"))
         self._clock = self._protected_blocks = self._queried_tokens = self._hit_tokens = 0
         self._first_blocks: dict[BlockKey, int] = {}  # seed -> cached blocks chaining from it
         for seed in self._keys.seeds():
@@ -237,8 +235,7 @@ class HashBlockCache(BlockBooks, Untiered):
             self._first_blocks[parent_key] = self._first_blocks.get(parent_key, 0) + 1
         new: list[Block] = []
         for i, h, slots in zip(range(leading, len(keys)), keys[leading:], rows, strict=True):
-            block = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now, i * bs)
-            blocks[h] = block
+            block = blocks[h] = Block(h, parent_key, data[i * step : (i + 1) * step], slots, now, i * bs)
             new.append(block)
             parent_key = h
         for block in new[:-1]:
@@ -363,8 +360,7 @@ class HashBlockCache(BlockBooks, Untiered):
             path.append(key)
             key = self._blocks[key].parent_key
         namespace = known[key] if key in known else self._keys.owner(key)
-        for key in path:
-            known[key] = namespace
+        known.update(dict.fromkeys(path, namespace))
         return namespace
 
     def _evicted(self, block: Block, known: dict[BlockKey, Hashable], after: tuple | None = None) -> Evicted:
@@ -401,11 +397,7 @@ class HashBlockCache(BlockBooks, Untiered):
     def unlock_all(self) -> None:
         """Drop every lock (a caller's books lost after a failed step); blocks stay, joining the queue
         deepest first (children before parents: a cached block's whole chain is cached). O(b log b)."""
-        locked = [block for block in self._blocks.values() if block.lock_count]
-        for block in locked:
-            block.lock_count = block.own_lock_count = 0
-        self._protected_blocks = 0
-        self._queue.push_reversed(sorted(locked, key=_DEPTH))
+        self._queue.push_reversed(sorted(self._drop_locks(), key=attrgetter("depth")))
 
     # ------------------------------------------------------------- inspection
     def check_invariants(self) -> None:

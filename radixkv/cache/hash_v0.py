@@ -240,8 +240,7 @@ class HashV0Cache(BlockBooks, Untiered):
         refuse a handle that was never locked itself. Raises ``LockError`` for a
         handle from another cache or one of whose blocks is no longer cached.
         """
-        self._check_owner(node)
-        blocks = node.blocks
+        blocks = self._own(node)
         if not all(block.cached for block in blocks):
             raise LockError("cannot lock a handle one of whose blocks was evicted")
         for block in blocks:
@@ -258,8 +257,7 @@ class HashV0Cache(BlockBooks, Untiered):
         count is already 0 (which includes every block from before ``reset``),
         or a handle that holds no lock of its own. O(blocks x log n).
         """
-        self._check_owner(node)
-        blocks = node.blocks
+        blocks = self._own(node)
         bad = next((b for b in blocks if not b.lock_count), None)
         if bad is not None:
             raise LockError(f"unlock of {bad!r} whose lock count is already 0 (or no longer cached)")
@@ -335,16 +333,14 @@ class HashV0Cache(BlockBooks, Untiered):
 
     def unlock_all(self) -> None:
         """Drop every lock (for a caller whose books are lost, e.g. after a failed step); blocks stay. O(b log n)."""
-        locked = [block for block in self._blocks.values() if block.lock_count]
-        for block in locked:
-            block.lock_count = block.own_lock_count = 0
-        self._protected_blocks = 0
-        self._touch(locked)
+        self._touch(self._drop_locks())
 
     # ------------------------------------------------------------- internals
-    def _check_owner(self, node: Any) -> None:
+    def _own(self, node: Any) -> tuple:
+        """The handle's blocks, or ``LockError`` for a handle of another cache."""
         if not isinstance(node, V0Chain) or node.owner is not self:
             raise LockError(f"{node!r} is not a handle of this HashV0Cache")
+        return node.blocks
 
     def _live(self, seq: int, block: V0Block) -> bool:
         """Whether a heap entry is the block's current one and the block may leave. O(1)."""

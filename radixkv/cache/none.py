@@ -68,8 +68,7 @@ class NoPrefixCache(CacheBooks, Untiered):
     def unlock_all(self) -> None:
         """Nothing to unlock."""
 
-    total_size = property(lambda self: 0)
-    protected_size = property(lambda self: 0)
+    total_size = protected_size = property(lambda self: 0)
 
     def check_invariants(self) -> None:
         """Nothing to check: the cache holds no state but a counter."""
@@ -77,8 +76,7 @@ class NoPrefixCache(CacheBooks, Untiered):
     def to_dict(self, namespace: Hashable = None) -> dict[str, Any]:
         return empty_tree()
 
-    def pretty_print(self) -> str:
-        return "NoPrefixCache()"
-
     def __repr__(self) -> str:
         return "NoPrefixCache()"
+
+    pretty_print = __repr__

@@ -53,9 +53,8 @@ class RadixNode:
 
     def __repr__(self) -> str:
         toks = self.tokens
-        shown = toks[:8].tolist()
         more = "..." if len(toks) > 8 else ""
-        return f"RadixNode(tokens={shown}{more}, len={len(toks)}, lock={self.lock_count})"
+        return f"RadixNode(tokens={toks[:8].tolist()}{more}, len={len(toks)}, lock={self.lock_count})"
 
     def path(self) -> tuple[list[RadixNode], RadixNode]:
         """The nodes from the root's child down to this one, and the root. O(depth)."""

@@ -144,6 +144,7 @@ class TieredCache:
         if device.caches_during_decode:
             raise ValueError("tiers work over caches that insert at chunk and request ends (radix, hash)")
         self.device, self.tiers = device, list(tiers)
+        self._own_tiers = [t for t in self.tiers if not t.shared]  # those no other replica uses
         self.write_policy, self.write_threshold = write_policy, write_threshold
         self.worth_loading, self.mover = worth_loading, mover
         self.page_size = device.page_size
@@ -165,9 +166,8 @@ class TieredCache:
         """Every tier's events, each with its tier's ``medium`` (a shared store's go to no replica)."""
         self._listener = listener
         self.device.listener = None if listener is None else _with_medium(listener, MEDIUM[DEVICE])
-        for tier in self.tiers:
-            if not tier.shared:
-                tier.cache.listener = None if listener is None else _with_medium(listener, tier.medium)
+        for tier in self._own_tiers:
+            tier.cache.listener = None if listener is None else _with_medium(listener, tier.medium)
 
     policy = property(lambda self: self.device.policy, doc="The device tier's eviction policy (each tier has its own).")
     total_size = property(lambda self: self.device.total_size, doc="Tokens on the device tier.")
@@ -195,9 +195,8 @@ class TieredCache:
     @clock.setter
     def clock(self, clock: Callable[[], float]) -> None:
         self.device.clock = clock
-        for tier in self.tiers:
-            if not tier.shared:
-                tier.cache.clock = clock
+        for tier in self._own_tiers:
+            tier.cache.clock = clock
 
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """The device tier's longest match (``plan_load`` extends it). O(device match)."""
@@ -348,9 +347,8 @@ class TieredCache:
         the caller recovers as after a failed step (``unlock_all``, then its allocator ``retain``s). O(cache)."""
         freed = self.device.evict(self.device.evictable_size)
         allocator.free(freed)
-        for tier in self.tiers:
-            if not tier.shared:
-                tier.allocator.free(tier.cache.evict(tier.cache.evictable_size))
+        for tier in self._own_tiers:
+            tier.allocator.free(tier.cache.evict(tier.cache.evictable_size))
         return len(freed)
 
     # ------------------------------------------------------------------ books
@@ -377,9 +375,8 @@ class TieredCache:
     def reset(self) -> None:
         """Empty every tier (a shared store stays: other replicas use it) and zero the counters."""
         self.device.reset()
-        for tier in self.tiers:
-            if not tier.shared:
-                tier.reset()
+        for tier in self._own_tiers:
+            tier.reset()
         self.copies, self._uses = [], {}
         self.reset_transfer_counts()
 
@@ -392,9 +389,8 @@ class TieredCache:
         return self.device.to_dict(namespace)
 
     def pretty_print(self) -> str:
-        lines = [f"device: {self.device.pretty_print()}"]
-        lines += [f"{t.name}: {t.cache.pretty_print()}" for t in self.tiers]
-        return "\n".join(lines)
+        tiers = [f"{t.name}: {t.cache.pretty_print()}" for t in self.tiers]
+        return "\n".join([f"device: {self.device.pretty_print()}", *tiers])
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{t.name}={t.cache.total_size}/{t.allocator.capacity}" for t in self.tiers)

@@ -151,8 +151,7 @@ class SlotAllocator:
             raise ValueError(f"slot index out of range [0, {self.capacity}): {idx.min()}..{idx.max()}")
         live = self._live[idx]
         if not live.all():
-            bad = idx[~live][:8].tolist()
-            raise ValueError(f"freeing slots that are not allocated (double free?): {bad}")
+            raise ValueError(f"freeing slots that are not allocated (double free?): {idx[~live][:8].tolist()}")
         if len(idx) > 1 and self._has_repeats(idx):
             raise ValueError("the same slot appears twice in one free() call")
         self._live[idx] = False

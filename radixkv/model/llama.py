@@ -181,10 +181,8 @@ def stack_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     for key in list(state):
         for fused, parts in STACKED.items():
             prefix, dot, leaf = key.rpartition(f".{parts[0]}.")
-            if not dot:
-                continue
             names = [f"{prefix}.{p}.{leaf}" for p in parts]
-            if all(n in out for n in names):
+            if dot and all(n in out for n in names):
                 out[f"{prefix}.{fused}.{leaf}"] = torch.cat([out.pop(n) for n in names], dim=0)
     return out
 

@@ -187,9 +187,8 @@ def bfloat16_unavailable_reason(device: str = "cpu") -> str | None:
     """Why bfloat16 cannot run on ``device``, or None when it can (a CUDA device before compute capability
     8.0 has no bfloat16 arithmetic; a CPU build of torch runs it everywhere, fastest with AVX-512 BF16)."""
     if torch.device(device).type == "cuda":
-        if not torch.cuda.is_available():
-            return None  # the engine reports the missing device itself
-        if not torch.cuda.is_bf16_supported(including_emulation=False):
+        # without CUDA, None: the engine reports the missing device itself
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
             name = torch.cuda.get_device_name(torch.device(device))
             return f"{name} has no bfloat16 arithmetic (compute capability below 8.0)"
         return None

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from radixkv.cache.base import TokenSeq, as_token_array
+from radixkv.cache.base import TokenSeq, as_token_array, positive_size
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
 OwnKey = Hashable
@@ -55,9 +55,7 @@ class KVEventIndex:
     """
 
     def __init__(self, block_size: int):
-        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.block_size = int(block_size)
+        self.block_size = positive_size("block_size", block_size)
         # replica -> the cache's block hash -> (namespace, own key)
         self._stored: dict[int, dict[Hashable, tuple[Hashable, OwnKey]]] = {}
         # namespace -> own key -> replica -> how many of its blocks have that own key (1 but for collisions)

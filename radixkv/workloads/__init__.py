@@ -25,9 +25,7 @@ from radixkv.workloads.synthetic import (
 )
 
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
-    "multi_turn": multi_turn, "shared_prefix": shared_prefix, "few_shot": few_shot, "tree_of_thought": tree_of_thought,
-    "self_consistency": self_consistency, "no_sharing": no_sharing,
-}
+    f.__name__: f for f in (multi_turn, shared_prefix, few_shot, tree_of_thought, self_consistency, no_sharing)}
 
 
 def make(name: str, seed: int = 0, **sizes) -> list[Request]:

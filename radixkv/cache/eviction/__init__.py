@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from radixkv.cache.eviction.adaptive import ARC, S3FIFO
@@ -41,23 +42,10 @@ from radixkv.cache.eviction.requests import TLRU, TTL, Priority
 from radixkv.cache.eviction.session import SessionRetention
 from radixkv.cache.eviction.value import Cost
 
-
-def _classical(name: str) -> Callable[[], EvictionPolicy]:
-    return lambda: PriorityPolicy(name, CLASSICAL[name])
-
-
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRU,
-    **{name: _classical(name) for name in CLASSICAL},
-    "slru": SLRU,
-    "arc": ARC,
-    "s3fifo": S3FIFO,
-    "priority": Priority,
-    "ttl": TTL,
-    "tlru": TLRU,
-    "cost": Cost,
-    "learned": Learned,
-    "session": SessionRetention,
+    **{name: partial(PriorityPolicy, name, priority) for name, priority in CLASSICAL.items()},
+    **{cls.name: cls for cls in (SLRU, ARC, S3FIFO, Priority, TTL, TLRU, Cost, Learned, SessionRetention)},
 }
 # Policies handed the future (``needs_future``): references a simulation can run, never an engine.
 REFERENCES: dict[str, Callable[..., EvictionPolicy]] = {"belady": Belady}

@@ -149,16 +149,8 @@ class Ghosts:
         return self.tokens == sum(size for size, _ in self.keys.values())
 
 
-def _policy_clock(cache: Any) -> Callable[[], float]:
-    return cache.policy.clock
-
-
-def _set_policy_clock(cache: Any, clock: Callable[[], float]) -> None:
-    cache.policy.clock = clock
-
-
 # ``clock = policy_clock`` in a cache class whose ``policy`` is an EvictionPolicy: the cache's clock is its policy's
-policy_clock = property(_policy_clock, _set_policy_clock,
+policy_clock = property(lambda cache: cache.policy.clock, lambda cache, clock: setattr(cache.policy, "clock", clock),
                         doc="Seconds, for time-aware policies: the policy's clock (the simulator sets its own).")
 
 

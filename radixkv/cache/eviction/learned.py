@@ -76,8 +76,8 @@ class Learned(EvictionPolicy):
         check_param("learned", "refit_every", refit_every, 1, integer=True)
         edges = list(gap_edges) if isinstance(gap_edges, list | tuple) else None
         if not edges or any(isinstance(e, bool) or not isinstance(e, int | float) or not 0 <= e < math.inf
-                                for e in edges) or edges != sorted(set(edges)):
-                raise ValueError(f"learned: gap_edges must be increasing finite numbers >= 0, got {gap_edges!r}")
+                            for e in edges) or edges != sorted(set(edges)):
+            raise ValueError(f"learned: gap_edges must be increasing finite numbers >= 0, got {gap_edges!r}")
         self.horizon, self.gap_edges, self.shared_matches = float(horizon), edges, shared_matches
         self.prior, self.refit_every = float(prior), refit_every
         super().__init__()
