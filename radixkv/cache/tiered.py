@@ -169,7 +169,6 @@ class TieredCache:
         for tier in self._own_tiers:
             tier.cache.listener = None if listener is None else _with_medium(listener, tier.medium)
 
-    policy = property(lambda self: self.device.policy, doc="The device tier's eviction policy (each tier has its own).")
     total_size = property(lambda self: self.device.total_size, doc="Tokens on the device tier.")
     evictable_size = property(lambda self: self.device.evictable_size, doc="Unlocked device tokens.")
     protected_size = property(lambda self: self.device.protected_size, doc="Locked device tokens.")
@@ -418,3 +417,8 @@ def _with_medium(listener: CacheListener, medium: str) -> CacheListener:
     def tagged(event: Any) -> None:
         listener(replace(event, medium=medium) if hasattr(event, "medium") else event)
     return tagged
+
+
+def device_policy(cache: PrefixCache) -> Any:
+    """The eviction policy of ``cache``'s device tier, with what it learned (None: a cache without one)."""
+    return getattr(cache.device if isinstance(cache, TieredCache) else cache, "policy", None)

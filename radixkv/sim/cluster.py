@@ -26,7 +26,7 @@ from radixkv.bounds import upper_bound
 from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY, needs_future
 from radixkv.cache.future import FutureUses
-from radixkv.cache.tiered import Tier
+from radixkv.cache.tiered import Tier, device_policy
 from radixkv.cache.tiers import HOST, STORAGE
 from radixkv.checks import is_int
 from radixkv.cost import CostModel
@@ -294,7 +294,7 @@ def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, p
     has only replica 0 to choose)."""
     stack, named = build_replica(requests, config, preemption, cache, cost)
     result = run_cluster(requests, [stack], RoundRobin(), cost).replicas[0]  # one replica: always 0
-    policy = getattr(stack.cache, "policy", None)  # the "none" cache has none
+    policy = device_policy(stack.cache)
     result.config = {**named, "cost_model": asdict(cost), "requests": len(requests),
                      "eviction": None if policy is None else policy.describe()}  # with what it learned by the end
     return result
