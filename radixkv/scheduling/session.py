@@ -27,7 +27,7 @@ LRU the contexts of sessions out of service go first: theirs were used longest a
 eviction policy ranks a turn's end first and holds a tool call's).
 
 On the agentic trace (16 sessions, radix page 64, ``llama3-70b-8xh100``) with a 1M-token device over a 1M-token
-host tier, it lifts the hit rate from 0.275 to 0.884 and cuts mean TTFT from 657 s to 7.9 s against FCFS
+host tier, it lifts the hit rate from 0.275 to 0.881 and cuts mean TTFT from 657 s to 8.2 s against FCFS
 (with the ``session`` eviction policy; docs/agentic.md has the table and the commands).
 
 It needs the session hints (``CacheHints.session``, ``stream``, ``stop``), which the simulator takes from an
