@@ -192,7 +192,7 @@ def test_in_batch_sharing_does_not_admit_what_the_session_policy_left_out():
     sched = llm.scheduler
     inner = sched.policy.inner
     inner.held["H"] = _Held(230, sched.clock(), 0)  # a session in a tool pause holds 230 of 256
-    inner.pauses[False] = [100.0, 1]  # its learned hold (200 s) outlasts the test
+    inner.pauses.observe(False, 100.0)  # its learned hold (200 s) outlasts the test
     shared = list(range(1, 41))  # A's prefill computes it all this step: B could borrow its slots
     a = RequestState(1, shared + [200], hints=CacheHints(session="H", stream=0))
     b = RequestState(2, shared + [201], hints=CacheHints(session="B", stream=0))

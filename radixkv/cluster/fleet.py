@@ -14,12 +14,11 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import ray
 
-from radixkv.cache.tiers import HOST
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.engine import LLM
 from radixkv.heap import freeze_startup_heap
 from radixkv.inputs import Prompts
-from radixkv.routing import make_router
+from radixkv.routing import make_router, memory_params
 from radixkv.routing.base import EventRouter, LoadTracker
 
 ACTOR_LOST = (ray.exceptions.RayActorError,)  # ActorDiedError and ActorUnavailableError are both
@@ -119,9 +118,7 @@ class Fleet:
             raise (e.cause if isinstance(e.cause, Exception) else e) from None
         self.config, self.prompts = infos[0]
         if self.router.name == "affinity" and not self.router_params:  # the replicas' memory, now it is known
-            stack = self.config.stack
-            self.router = make_router("affinity", capacity_tokens=stack.capacity_tokens,
-                                      host_capacity_tokens=sum(t.tokens for t in stack.tiers if t.name == HOST))
+            self.router = make_router("affinity", **memory_params("affinity", self.config.stack, None))
 
     # ---------------------------------------------------------------- routing
     def now(self) -> float:

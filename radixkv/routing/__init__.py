@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from radixkv.routing.affinity import Affinity
 from radixkv.routing.base import EventRouter, LoadTracker, ReplicaView, Router
@@ -64,6 +65,14 @@ def fit_router(router: str | Router, cache_block_size: int | None, params: dict 
     return router
 
 
+def memory_params(router: str | Router, config: Any, params: dict | None) -> dict | None:
+    """``params``; for ``affinity`` by name without them, the replicas' device and host tokens from their
+    ``StackConfig``: what it trims its beliefs to and how it tells a replica past its cliff."""
+    if router != "affinity" or params is not None:
+        return params
+    return {"capacity_tokens": config.capacity_tokens, "host_capacity_tokens": config.host_capacity_tokens or 0}
+
+
 __all__ = ["ROUTERS", "Affinity", "CacheAware", "EventRouter", "KVEvents", "LeastLoad", "LoadTracker", "Preble",
            "PrefixHash", "ReplicaView", "RoundRobin", "Router", "check_block_size", "fit_router", "make_router",
-           "takes_block_size"]
+           "memory_params", "takes_block_size"]

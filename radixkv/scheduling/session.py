@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-TOOL_USE = "tool_use"
+from radixkv.cache.eviction.session import TOOL_USE, ToolPauses
 
 
 class _Held:
@@ -68,7 +68,7 @@ class SessionAware:
         self.held: dict[Hashable, _Held] = {}  # sessions in a tool pause
         self.since: dict[int, float] = {}  # rid -> when it joined the queue
         self.started: dict[Hashable, float] = {}  # session -> when its first request came (program order)
-        self.pauses = {False: [0.0, 0], True: [0.0, 0]}  # sub-agent? -> [sum of tool pauses, how many]
+        self.pauses = ToolPauses(self.hold, self.hold_factor)
 
     # ------------------------------------------------------------ what the scheduler tells it
     def attach(self, scheduler: Any) -> None:
@@ -83,9 +83,7 @@ class SessionAware:
             self.started.setdefault(state.hints.session, now)
         held = self.held.get(_key(state))
         if held is not None and held.stream == state.hints.stream:
-            total = self.pauses[bool(held.stream)]
-            total[0] += now - held.since
-            total[1] += 1
+            self.pauses.observe(bool(held.stream), now - held.since)
 
     def finished(self, state: Any, length: int) -> None:
         """A request finished leaving ``length`` tokens of context; its hints say how its answer ended."""
@@ -98,8 +96,7 @@ class SessionAware:
     # ------------------------------------------------------------ the order
     def hold_for(self, sub_agent: bool) -> float:
         """Seconds a session stays in service after a tool call of this stream kind."""
-        total, n = self.pauses[sub_agent]
-        return self.hold if n == 0 else self.hold_factor * total / n
+        return self.pauses.hold(sub_agent)
 
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         """The waiting ``Candidate``s to offer, in order (those left out wait)."""

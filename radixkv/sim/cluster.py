@@ -27,10 +27,10 @@ from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY, needs_future
 from radixkv.cache.future import FutureUses
 from radixkv.cache.tiered import Tier, device_policy
-from radixkv.cache.tiers import HOST, STORAGE
+from radixkv.cache.tiers import STORAGE
 from radixkv.checks import is_int
 from radixkv.cost import CostModel
-from radixkv.routing import RoundRobin, Router, fit_router
+from radixkv.routing import RoundRobin, Router, fit_router, memory_params
 from radixkv.routing.base import EventRouter, LoadTracker
 from radixkv.sim.replica import (
     Feed,
@@ -247,15 +247,6 @@ def simulate_cluster(requests: Sequence[Request], config: StackConfig | int | No
     if references:
         result.references = cluster_references(requests, replicas, config=config, cost_model=cost_model)
     return result
-
-
-def memory_params(router: str | Router, config: StackConfig, params: dict | None) -> dict | None:
-    """``params``; for ``affinity`` by name without them, the replicas' device and host tokens: what it trims
-    its beliefs to and how it tells a replica past its cliff."""
-    if router != "affinity" or params is not None:
-        return params
-    host = sum(spec.tokens for spec in config.tiers if spec.name == HOST)
-    return {"capacity_tokens": config.capacity_tokens, "host_capacity_tokens": host}
 
 
 def cluster_references(requests: Sequence[Request], replicas: int, capacity_tokens: int | None = None, *,

@@ -36,6 +36,24 @@ PENDING_MAX = 4096  # tool calls awaiting their session's return, at most
 COLD = -1.0  # ``entry.state`` of a path a turn ended on; a hold stores its end (> 0), 0 is unheld
 
 
+class ToolPauses:
+    """The tool-call pauses observed per stream kind (the main agent, sub-agents) and the hold they imply:
+    ``factor`` x their mean, ``default`` seconds before any was seen. O(1) per call."""
+
+    def __init__(self, default: float, factor: float):
+        self.default, self.factor = default, factor
+        self.totals = {False: [0.0, 0], True: [0.0, 0]}  # sub-agent? -> [sum of pauses, how many]
+
+    def observe(self, sub_agent: bool, seconds: float) -> None:
+        total = self.totals[sub_agent]
+        total[0] += seconds
+        total[1] += 1
+
+    def hold(self, sub_agent: bool) -> float:
+        total, n = self.totals[sub_agent]
+        return self.default if n == 0 else self.factor * total / n
+
+
 class SessionRetention(TTL):
     """See the module doc."""
 
@@ -52,15 +70,14 @@ class SessionRetention(TTL):
         super().reset()
         self.cold = LazyHeap(self)
         self.pending: dict[Hashable, tuple[float, bool]] = {}  # session -> (tool call's finish, sub-agent?)
-        self.pauses = {False: [0.0, 0], True: [0.0, 0]}  # sub-agent? -> [sum of observed tool pauses, count]
+        self.pauses = ToolPauses(self.hold_s, self.hold_factor)
 
     def heaps(self) -> Sequence[LazyHeap]:
         return self.cold, self.unheld, self.held
 
     def hold_for(self, sub_agent: bool) -> float:
         """The learned hold after a tool call of this stream kind, seconds."""
-        total, n = self.pauses[sub_agent]
-        return self.hold_s if n == 0 else self.hold_factor * total / n
+        return self.pauses.hold(sub_agent)
 
     def push(self, entry: Entry) -> None:
         if entry.state == COLD:
@@ -79,9 +96,7 @@ class SessionRetention(TTL):
         if hit:
             started = self.pending.pop(hints.session, None) if hints.session is not None else None
             if started is not None:  # the session is back from its tool call: learn how long that took
-                total = self.pauses[started[1]]
-                total[0] += self.clock() - started[0]
-                total[1] += 1
+                self.pauses.observe(started[1], self.clock() - started[0])
             return
         state = self._state(hints)
         for entry in entries:
