@@ -270,6 +270,24 @@ def test_held_paths_yield_to_an_admission_in_the_engine_and_nothing_stalls():
     check_idle(llm.cache, llm.allocator)
 
 
+def test_learned_classes_what_a_finish_adds_by_stop_reason_depth_and_length():
+    """``learned`` is fed the stop reason: what a request adds at its finish is in a class per stop reason x
+    depth x context length; without a stop hint it is the request's tail, as before."""
+    from radixkv.cache.eviction.learned import TAIL
+
+    def finish(stop, n=40_000):
+        cache = RadixCache(page_size=1, eviction_policy="learned")
+        prompt = CacheHints(request=1, session="A", stream=0)
+        cache.insert(np.arange(n), np.arange(n), hints=prompt)  # the prefill
+        cache.insert(np.arange(n + 10), np.arange(n + 10), hints=prompt._replace(stop=stop))  # + the answer
+        cache.check_invariants()
+        return cache.match_prefix(np.arange(n + 10)).node.state.cls
+
+    classes = {stop: finish(stop) for stop in ("tool_use", "end_turn", "length", None)}
+    assert classes[None] == TAIL and len(set(classes.values())) == 4
+    assert finish("tool_use", n=100) != classes["tool_use"]  # a short context is a class of its own
+
+
 # ------------------------------------------------------------------ routing
 def _views(n: int) -> list[ReplicaView]:
     return [ReplicaView(i) for i in range(n)]

@@ -12,12 +12,19 @@ cache saw of its prefix, and each class's reuse probability is counted as reques
 * **turn 2** and **turn 3+**, each by how long its parent had been cached when it arrived (``gap_edges``, in
   ticks of the cache's logical clock): below an entry another request inserted, i.e. a conversation continued.
   An entry whose key matches a ghost (an entry evicted earlier, remembered by key) continues that one's turn.
+* **finished**: what a request adds at its finish when its hints say how its answer ended (``CacheHints.stop``:
+  an agent's ``tool_use`` or ``end_turn``, or any other reason), one class per stop reason x the session's
+  depth (its conversation turn: < 8, < 64, more; ``DEPTH_EDGES``) x its context length (< 32k, < 128k tokens,
+  more; ``LENGTH_EDGES``), in place of **tail**: after a tool call the session comes back in seconds, after
+  the end of a turn only if a human answers. Without stop hints (Mooncake's and the synthetic workloads)
+  no entry is in these classes and the policy decides as before.
 
 A class's reuse probability p = (reuses + k x pooled) / (starts + k): its entries inserted (starts), the
 matches by another request ending at one of its entries (reuses, ``reused``), including a re-insert of an
 evicted entry's key (a reuse the eviction lost, learned all the same), shrunk toward the pooled rate with
 ``prior`` pseudo-entries; refitted every ``refit_every`` reuses. An evicted entry's parent, left a leaf,
-takes over its class, so the rest of a conversation's path keeps its latest turn's. The eviction rank is
+takes over its class (a turn's, not a finished one), so the rest of a conversation's path keeps its latest
+turn's. The eviction rank is
 
     priority = last_access + horizon x ln(max(p, 0.001))
 
@@ -45,7 +52,9 @@ from collections.abc import Callable, Hashable, Sequence
 from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction.base import Entry, EvictionPolicy, Ghosts, check_param, reused
 
-SHARED, TAIL, TURN1 = 0, 1, 2  # then turn 2 x gap bucket, turn 3+ x gap bucket
+SHARED, TAIL, TURN1 = 0, 1, 2  # then turn 2 x gap bucket, turn 3+ x gap bucket, then the finished classes
+STOPS = ("tool_use", "end_turn")  # then any other stop reason
+DEPTH_EDGES, LENGTH_EDGES = (8, 64), (32_768, 131_072)  # turns, tokens
 
 
 class Record:
@@ -84,7 +93,8 @@ class Learned(EvictionPolicy):
 
     def reset(self) -> None:
         super().reset()
-        n = 3 + 2 * (len(self.gap_edges) + 1)
+        self._finished_base = 3 + 2 * (len(self.gap_edges) + 1)
+        n = self._finished_base + (len(STOPS) + 1) * (len(DEPTH_EDGES) + 1) * (len(LENGTH_EDGES) + 1)
         self.starts, self.reuses = [0] * n, [0] * n
         self.shift = [0.0] * n  # horizon x ln p per class: 0 (LRU) until the first refit
         self.ghosts = Ghosts()  # evicted entries' records, at most 8 x the cache's tokens
@@ -113,6 +123,13 @@ class Learned(EvictionPolicy):
         bucket = sum(gap >= e for e in self.gap_edges)
         return 3 + bucket + (len(self.gap_edges) + 1) * (turn > 2)
 
+    def _finished_class(self, stop: str, turn: int, entry: Entry) -> int:
+        """The class of what a request that ended with ``stop`` adds at its finish."""
+        depth = sum(turn >= e for e in DEPTH_EDGES)
+        length = sum(entry.depth + len(entry) >= e for e in LENGTH_EDGES)
+        kind = STOPS.index(stop) if stop in STOPS else len(STOPS)
+        return self._finished_base + (kind * (len(DEPTH_EDGES) + 1) + depth) * (len(LENGTH_EDGES) + 1) + length
+
     def inserted(self, entry: Entry, hints: CacheHints) -> None:
         now = entry.created
         parent = self.cache.parent_of(entry)
@@ -125,7 +142,8 @@ class Learned(EvictionPolicy):
         elif parent is None or self._class_of(parent.state) == SHARED:
             record = Record(TURN1, 1, now)
         elif hints.request is not None and parent.state.owner == hints.request:
-            record = Record(TAIL, parent.state.turn, now)
+            turn = parent.state.turn
+            record = Record(self._finished_class(hints.stop, turn, entry) if hints.stop else TAIL, turn, now)
         else:
             turn = parent.state.turn + 1
             record = Record(self._turn_class(turn, now - parent.state.born), turn, now)
@@ -152,8 +170,9 @@ class Learned(EvictionPolicy):
         self.ghosts.add(self.cache.key_of(entry), len(entry), 8 * max(self.capacity(), 1), record)
         parent = self.cache.parent_of(entry)
         if parent is not None and self.cache.is_last_child(entry):  # the path's rest keeps its latest class
-            above = parent.state
-            if above.cls != TAIL and self._class_of(above) != SHARED and record.turn >= above.turn:
+            above = parent.state  # not a finished class: on the agentic trace that cost a third of LRU's hits
+            turn = record.cls < self._finished_base and record.turn >= above.turn
+            if turn and above.cls != TAIL and self._class_of(above) != SHARED:
                 above.cls, above.turn, above.born = record.cls, record.turn, record.born
                 self.push(parent)  # its rank changed (the hash cache would keep its old heap item)
 
