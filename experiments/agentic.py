@@ -65,6 +65,8 @@ SESSION_CONFIGS = {
     "ttl-1h": ("fcfs", "ttl", {"ttl": 3600.0}),
     "session+lru": ("session", "lru", None),
     "session": ("session", "session", None),
+    "learned": ("fcfs", "learned", None),  # fed the stop reason, depth and context length
+    "oracle": ("session-oracle", "belady", None),  # knows every future request and pause (device alone)
 }
 
 

@@ -100,6 +100,8 @@ class EngineConfig:
              "'auto' falls back to the PyTorch path for float32"),
             (not needs_future(self.stack.eviction_policy),
              f"eviction_policy {self.stack.eviction_policy!r} needs the future: the simulator's only"),
+            (self.stack.schedule_policy != "session-oracle", "schedule_policy 'session-oracle' needs the future: "
+             "the simulator's only"),
         ]
         wrong = problems(self) + [message for ok, message in checks if not ok]
         if wrong:

@@ -217,6 +217,28 @@ def test_the_session_policy_serves_every_request_without_a_stall(sessions):
     assert all(r["ttft"] >= 0 for r in res.per_request)
 
 
+def test_the_session_oracle_holds_exactly_the_real_pause_and_runs_only_in_the_simulator(sessions):
+    """``session-oracle`` keeps a session in service after a tool call for exactly the pause before its next
+    request (known from the workload), and nowhere but the simulator, which hands it the future."""
+    requests = agentic(sessions, concurrency=3)
+    res = simulate(requests, capacity_tokens=1200, page_size=64, schedule_policy="session-oracle")
+    assert res.rejected == 0 and len(res.per_request) == len(requests)
+    oracle = make_schedule("session-oracle")
+    oracle.foresee(requests)
+    clock = [0.0]
+    oracle.attach(type("S", (), {"clock": lambda self: clock[0]})())
+    first = next(r for r in requests if r.parent is None and any(c.parent == r.rid for c in requests))
+    pause = next(c.think_time for c in requests if c.parent == first.rid)
+    state = RequestState(first.rid, [1, 2], hints=CacheHints(session=first.session, stream=0, stop="tool_use"))
+    oracle.finished(state, 2)
+    assert not oracle._lapsed(first.session, oracle.held[first.session], pause)
+    assert oracle._lapsed(first.session, oracle.held[first.session], pause + 1e-6)
+    with pytest.raises(ValueError, match="session-oracle.*simulator"):
+        LLM("tiny-random", kv_cache_tokens=512, schedule_policy="session-oracle")
+    with pytest.raises(ValueError, match="future"):
+        make_schedule("session-oracle").order([])
+
+
 def test_the_session_policy_runs_in_the_engine_with_the_same_greedy_tokens():
     prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8]]
     want = LLM("tiny-random", kv_cache_tokens=512, schedule_policy="fcfs").generate(prompts, SamplingParams(4))

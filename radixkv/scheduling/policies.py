@@ -35,7 +35,7 @@ import numpy as np
 
 from radixkv.cache.base import MatchResult
 from radixkv.cache.radix import RadixCache
-from radixkv.scheduling.session import SessionAware
+from radixkv.scheduling.session import SessionAware, SessionOracle
 
 
 @dataclass
@@ -197,7 +197,7 @@ def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
     return policy.order(waiting, in_flight) if policy.sees_in_flight else policy.order(waiting)
 
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "session")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "session", "session-oracle")  # the last knows the future
 
 
 def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, page_size: int = 1) -> SchedulePolicy:
@@ -207,7 +207,7 @@ def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, p
     Unknown names raise ``ValueError``.
     """
     makers = {"fcfs": FCFS, "lpm": LongestPrefixMatch, "dfs-weight": DFSWeight, "random": lambda: RandomOrder(seed),
-              "session": SessionAware}
+              "session": SessionAware, "session-oracle": SessionOracle}
     if name not in makers:
         raise ValueError(f"unknown schedule policy {name!r}; choose one of {list(POLICIES)}")
     policy = makers[name]()

@@ -53,13 +53,13 @@ class _Held:
 
 
 class SessionAware:
-    """See the module doc. ``max_wait``: seconds after which a waiting request goes first (> 0, default 300).
+    """See the module doc. ``max_wait``: seconds after which a waiting request goes first (> 0, default 3,600).
     ``hold``: seconds a session stays in service after a tool call before any pause was seen (default 10);
     ``hold_factor``: the learned hold is this times the mean tool pause of its stream kind (default 2)."""
 
     name, needs_match, sees_in_flight, follows_sessions = "session", False, False, True
 
-    def __init__(self, max_wait: float = 300.0, hold: float = 10.0, hold_factor: float = 2.0):
+    def __init__(self, max_wait: float = 3600.0, hold: float = 10.0, hold_factor: float = 2.0):
         for key, value in (("max_wait", max_wait), ("hold", hold), ("hold_factor", hold_factor)):
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"session policy: {key} must be a number > 0, got {value!r}")
@@ -88,10 +88,14 @@ class SessionAware:
     def finished(self, state: Any, length: int) -> None:
         """A request finished leaving ``length`` tokens of context; its hints say how its answer ended."""
         self.since.pop(state.rid, None)
-        if state.hints.stop == TOOL_USE:
+        if self._holds(state):
             self.held[_key(state)] = _Held(length, self.scheduler.clock(), state.hints.stream)
         else:
             self.held.pop(_key(state), None)
+
+    def _holds(self, state: Any) -> bool:
+        """Whether a finished request's session stays in service: its answer ended in a tool call."""
+        return state.hints.stop == TOOL_USE
 
     # ------------------------------------------------------------ the order
     def hold_for(self, sub_agent: bool) -> float:
@@ -101,7 +105,7 @@ class SessionAware:
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         """The waiting ``Candidate``s to offer, in order (those left out wait)."""
         now, scheduler = self.scheduler.clock(), self.scheduler
-        for key in [k for k, h in self.held.items() if now - h.since > self.hold_for(bool(h.stream))]:
+        for key in [k for k, h in self.held.items() if self._lapsed(k, h, now)]:
             del self.held[key]  # its pause outlasted the hold: out of service
         running = {}
         for s in scheduler.running:
@@ -125,6 +129,10 @@ class SessionAware:
             first.append(min(waiting, key=lambda c: c.order))  # nothing runs: the oldest goes, never a stall
         return first
 
+    def _lapsed(self, key: Hashable, held: _Held, now: float) -> bool:
+        """Whether a held session's pause outlasted its hold."""
+        return now - held.since > self.hold_for(bool(held.stream))
+
     def _forget(self, waiting: Sequence[Any], running: Sequence[Any]) -> None:
         """Drop what requests that left without finishing (aborted, withdrawn) and long-gone sessions left
         behind, so a server's books stay the size of its queue. O(books) when they have outgrown it."""
@@ -140,3 +148,42 @@ class SessionAware:
 def _key(state: Any) -> Hashable:
     session = state.hints.session
     return ("request", state.rid) if session is None else session
+
+
+class SessionOracle(SessionAware):
+    """``session-oracle``: the ``session`` policy handed the workload's future (simulator only), a reference
+    for what admitting by session could reach with no guess in it: after a tool call a session stays in
+    service for exactly the real pause before its next request (``session`` guesses ``hold_factor`` x the
+    mean pause) and then until that request runs; it leaves at once when the session has no next request.
+    Everything else as ``session``'s. ``foresee`` hands it the requests (``simulate`` does, before the first
+    arrival)."""
+
+    name, needs_future = "session-oracle", True
+
+    def __init__(self, max_wait: float = 3600.0):
+        super().__init__(max_wait=max_wait)
+        self.pause: dict[int, float] | None = None  # rid -> seconds before its session's next request is sent
+        self.until: dict[Hashable, float] = {}  # held session -> when its next request comes
+        self._back: set[Hashable] = set()
+
+    def foresee(self, requests: Sequence[Any]) -> None:
+        """Learn every request's following pause. O(requests)."""
+        self.pause = {r.parent: r.think_time for r in requests if r.parent is not None}
+
+    def order(self, waiting: Sequence[Any]) -> list[Any]:
+        if self.pause is None:
+            raise ValueError("schedule policy 'session-oracle' needs the workload's future: only simulate runs it")
+        self._back = {_key(c.request) for c in waiting}  # sessions whose next request came: held until it runs
+        return super().order(waiting)
+
+    def finished(self, state: Any, length: int) -> None:
+        super().finished(state, length)
+        if _key(state) in self.held:
+            self.until[_key(state)] = self.scheduler.clock() + self.pause[state.rid]
+
+    def _holds(self, state: Any) -> bool:
+        return super()._holds(state) and state.rid in self.pause
+
+    def _lapsed(self, key: Hashable, held: _Held, now: float) -> bool:
+        # past its pause with no request back: its next one waits for others (``after``), as any request
+        return now > self.until[key] and key not in self._back

@@ -174,6 +174,9 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
         future = getattr(getattr(cache, "policy", None), "future", None)
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
                         worth_loading=(cost or CostModel()).worth_loading, future=future)
+    policy = getattr(stack.scheduler.policy, "inner", stack.scheduler.policy)
+    if getattr(policy, "needs_future", False):  # a clairvoyant schedule (session-oracle) knows every request
+        policy.foresee(requests)
     return stack, {**config.to_dict(), "cache": config.prefix_cache if cache is None else type(cache).__name__,
                    "kv_slots": stack.allocator.capacity, "allocator_page": stack.allocator.page_size,
                    # the threshold the builder applied (none: no sharing)
