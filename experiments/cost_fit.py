@@ -8,8 +8,9 @@ the measured one: the error is out of sample, since no step of that workload wen
 own workload, simulated, gives the in-sample error beside it. Writes ``<out>.json`` (the fitted constants,
 both tables, the largest out-of-sample error).
 
-On a GPU (``--device cuda``: FlashInfer, decode under CUDA graphs) it is the H200 preset of issue 53;
-``--quick`` (a small workload shape, for a CPU and ``tiny-random``) checks the path end to end in seconds.
+On a GPU (``--device cuda``: FlashInfer, decode under CUDA graphs) it measures a preset for that GPU
+(``scripts/gpu_check.sh`` runs it); ``--quick`` (a small shape of each workload, for a CPU and
+``tiny-random``) checks the path end to end in seconds.
 """
 
 from __future__ import annotations
