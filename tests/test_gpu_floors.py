@@ -72,3 +72,37 @@ def test_floor_rows_set_ours_against_each_floor_and_eager_against_graphs():
     assert rows[0] == {"figure": "decode_ms_b1", "ours": 1.5, "floor": 0.5, "ratio": 3.0, "eager": 6.0,
                        "graphs_speedup": 4.0}
     assert rows[2]["ratio"] == pytest.approx(2.0) and "eager" not in rows[2]
+
+
+def test_the_gpu_run_puts_its_figures_floors_and_ratios_together(monkeypatch, tmp_path):
+    """``bench_engine``'s GPU run end to end on a CPU, its GPU parts stood in (the rates, the FlashInfer backend,
+    the graphs' figures): every figure meets its floor in one table, eager against graphs beside decode."""
+    import experiments.gpu_floors as gf
+    from experiments import bench_engine
+
+    real_run, real_micro = bench_engine.run_cache, bench_engine.ours_micro
+
+    def run_cache(cache, args, record_steps=False):
+        args.attention_backend = "auto"  # the CPU's, in place of FlashInfer
+        return real_run(cache, args, record_steps)
+
+    def ours_micro(model, context, repeats, rng, backend, batches, graphs=False):
+        out = real_micro(model, context, repeats, rng, "auto", batches)
+        return out | ({f"decode_ms_b{b}_graphs": out[f"decode_ms_b{b}"] / 2 for b in batches} if graphs else {})
+
+    monkeypatch.setattr(bench_engine, "run_cache", run_cache)
+    monkeypatch.setattr(bench_engine, "ours_micro", ours_micro)
+    monkeypatch.setattr(gf, "gpu_rates", lambda *a, **k: dict(RATES))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in GPU")
+    args = bench_engine.parse_args(["--model", "tiny-random", "--quick", "--context", "64", "--repeats", "1",
+                                    "--out", str(tmp_path / "bench")])
+    args.dtype = "float32"
+    got = bench_engine.gpu_main(args)
+    assert (tmp_path / "bench.json").is_file()
+    assert set(got["micro"]) == {"flashinfer", "torch", "transformers"}
+    assert got["machine"] == RATES and got["env"]["gpu"] == "a stand-in GPU"
+    rows = {r["figure"]: r for r in got["floor_rows"]}
+    assert set(rows) == {"decode_ms_b1", "decode_ms_b8", "decode_ms_b64", "prefill_ms_per_token", "end_to_end_s"}
+    assert rows["decode_ms_b8"]["graphs_speedup"] == pytest.approx(2.0)
+    assert rows["end_to_end_s"]["ours"] == got["multiturn"]["flashinfer/radix"]["end_to_end_s"]
+    assert all(r["ratio"] == pytest.approx(r["ours"] / r["floor"]) for r in rows.values())
