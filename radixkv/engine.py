@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from numbers import Integral
 
 import torch
@@ -385,8 +386,8 @@ class LLM:
             run = graphs.replay
         else:
             x = prepare_step(self.pool, self.backend, toks, ab)
-            run = lambda: self.forward_fn(x.ids, x.positions, x.out_slots, self.pool, self.backend,  # noqa: E731
-                                          qo_indptr=x.qo_indptr)
+            run = partial(self.forward_fn, x.ids, x.positions, x.out_slots, self.pool, self.backend,
+                          qo_indptr=x.qo_indptr)
         t0 = time.perf_counter()
         logits = run()
         return logits, ab, time.perf_counter() - t0
