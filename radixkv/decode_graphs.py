@@ -109,16 +109,21 @@ class DecodeGraphs:
         ids, positions, slots = self.inputs[:, :b]
         attention = _GraphAttention(wrapper, self.pool)
         self._fill(wrapper, b, [], AttentionBatch([], [], []))  # every row padding while capturing
-        run = lambda: self.model(ids, positions, slots, self.pool, attention)  # noqa: E731  [b, vocab]
-        side = torch.cuda.Stream(self.pool.device)  # a first run off the capture: lazy inits, cuBLAS workspaces
-        side.wait_stream(torch.cuda.current_stream(self.pool.device))
+        graph, logits = self._record(lambda: self.model(ids, positions, slots, self.pool, attention), memory)
+        return graph, wrapper, logits  # logits: [b, vocab]
+
+    def _record(self, run, memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``run()`` captured in a graph: the graph and the output its replays write over."""
+        dev = self.pool.device
+        side = torch.cuda.Stream(dev)  # a first run off the capture: lazy inits, cuBLAS workspaces
+        side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             run()
-        torch.cuda.current_stream(self.pool.device).wait_stream(side)
+        torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=memory):
-            logits = run()
-        return graph, wrapper, logits
+            out = run()
+        return graph, out
 
     def _fill(self, wrapper, b: int, tokens: Sequence[int], batch: AttentionBatch) -> None:
         inputs, slot_lists = padded_inputs(tokens, batch, b, self.pad_slot)
