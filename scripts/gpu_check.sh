@@ -185,7 +185,7 @@ pack_kernels() {  # the built kernels, for the next run (--jit-archive), where t
         rm -f "$archive"
     fi
 }
-[[ -n "$jit_archive" ]] || step "pack the kernels" pack_kernels
+step "pack the kernels" pack_kernels
 step "pytest -m gpu" python3 -m pytest -q -m gpu --junitxml="$out/pytest.xml" tests/test_attention_gpu.py \
     tests/test_engine_gpu.py tests/test_tiers_gpu.py "${pytest_args[@]}"
 step "bench_engine --device cuda" python3 -m experiments.bench_engine --device cuda --model "$model" \

@@ -124,14 +124,16 @@ def warm(dtype_name: str, head_dim: int) -> list[str]:
     return lines
 
 
-def built_modules(jit_dir: Path) -> list[Path]:
-    """Every module built in FlashInfer's JIT folder: ``<jit_dir>/<name>/<name>.so``."""
-    return sorted(so for so in jit_dir.glob("*/*.so") if so.stem == so.parent.name)
+def built_modules(*folders: Path) -> list[Path]:
+    """Every module in FlashInfer's JIT or AOT folders: ``<folder>/<name>/<name>.so``, one per name."""
+    found = {so.name: so for folder in folders for so in folder.glob("*/*.so") if so.stem == so.parent.name}
+    return [found[name] for name in sorted(found)]
 
 
-def pack(jit_dir: Path, archive: Path) -> int:
-    """The built modules into ``archive`` (tar.xz of ``<name>/<name>.so``, nothing else): how many."""
-    modules = built_modules(jit_dir)
+def pack(folders: list[Path], archive: Path) -> int:
+    """The modules of ``folders`` (the JIT folder's built ones, the AOT folder's loaded ones) into ``archive``
+    (tar.xz of ``<name>/<name>.so``, nothing else): how many."""
+    modules = built_modules(*folders)
     with tarfile.open(archive, "w:xz") as tar:
         for so in modules:
             tar.add(so, arcname=f"{so.parent.name}/{so.name}")
@@ -192,7 +194,8 @@ def main() -> int:
         from flashinfer.jit import env  # FlashInfer's folders, as it computes them here (arch, workspace)
 
         if sys.argv[1] == "--pack":
-            print(f"packed {pack(env.FLASHINFER_JIT_DIR, Path(sys.argv[2]))} modules into {sys.argv[2]}")
+            count = pack([env.FLASHINFER_JIT_DIR, env.FLASHINFER_AOT_DIR], Path(sys.argv[2]))
+            print(f"packed {count} modules into {sys.argv[2]}")
         else:
             print(f"unpacked {unpack(Path(sys.argv[2]), env.FLASHINFER_AOT_DIR)} modules into {env.FLASHINFER_AOT_DIR}")
         return 0

@@ -99,12 +99,15 @@ def test_gpu_warmup_packs_the_built_modules_and_unpacks_them_where_flashinfer_lo
     (jit / "half_built").mkdir()
     (jit / "half_built" / "other.so").write_bytes(b"")  # not <name>/<name>.so: not a finished module
     archive = tmp_path / "flashinfer-aot.tar.xz"
-    assert warmup.pack(jit, archive) == 2
+    assert warmup.pack([jit, tmp_path / "no-aot-folder"], archive) == 2
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == ["batch_decode_a/batch_decode_a.so", "batch_prefill_b/batch_prefill_b.so"]
     aot = tmp_path / "flashinfer" / "data" / "aot"
     assert warmup.unpack(archive, aot) == 2
     assert (aot / "batch_decode_a" / "batch_decode_a.so").read_bytes() == b"batch_decode_a" * 100
+    (jit / "batch_decode_c").mkdir()  # a module the next run built: packed with those it loaded
+    (jit / "batch_decode_c" / "batch_decode_c.so").write_bytes(b"c")
+    assert warmup.pack([jit, aot], archive) == 3
     for bad in ("../escape/escape.so", "a/b.so", "a/a.so/x"):
         evil = tmp_path / "evil.tar.xz"
         with tarfile.open(evil, "w:xz") as tar:
