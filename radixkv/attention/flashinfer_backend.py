@@ -101,7 +101,8 @@ class FlashInferBackend:
             raise FlashInferUnavailableError(reason)
         group = group_of(pool, num_qo_heads)
         self.pool, self.num_qo_heads, self.scale = pool, num_qo_heads, scale_for(pool, scale)
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)  # allocated once
+        # allocated once, zeroed: FlashInfer's wrappers document their float workspace as zeroed before first use
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         # FlashInfer's CUDA-core decode kernel is instantiated for these query heads per KV head only; other
         # groups decode through its tensor-core (prefill) kernel, which takes any group.
