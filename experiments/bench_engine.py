@@ -107,11 +107,11 @@ def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto", ba
 
         captured = DecodeGraphs(model, pool, attn, rows)
 
-        def replayed(rows: list[np.ndarray]):
-            batch = AttentionBatch([context] * len(rows), [1] * len(rows), rows)
+        def replayed(seq_slots: list[np.ndarray]):
+            batch = AttentionBatch([context] * len(seq_slots), [1] * len(seq_slots), seq_slots)
 
             def run():
-                captured.prepare([toks[0]] * len(rows), batch)
+                captured.prepare([toks[0]] * len(seq_slots), batch)
                 captured.replay()
                 torch.cuda.synchronize(p.device)
             return run
