@@ -105,4 +105,7 @@ def test_the_gpu_run_puts_its_figures_floors_and_ratios_together(monkeypatch, tm
     assert set(rows) == {"decode_ms_b1", "decode_ms_b8", "decode_ms_b64", "prefill_ms_per_token", "end_to_end_s"}
     assert rows["decode_ms_b8"]["graphs_speedup"] == pytest.approx(2.0)
     assert rows["end_to_end_s"]["ours"] == got["multiturn"]["flashinfer/radix"]["end_to_end_s"]
+    assert rows["end_to_end_s"]["eager"] == got["multiturn"]["flashinfer-eager/radix"]["end_to_end_s"]
+    eager, graphs = got["multiturn"]["flashinfer-eager/radix"], got["multiturn"]["flashinfer/radix"]
+    assert eager["prefill_tokens"] == graphs["prefill_tokens"]  # the same work, eager or replayed
     assert all(r["ratio"] == pytest.approx(r["ours"] / r["floor"]) for r in rows.values())
