@@ -9,7 +9,8 @@ smallest bucket B >= n; its B - n padding rows write and read the pool's last pa
 out of its allocator (``EngineConfig.cuda_graphs``), so they touch no request's KV.
 
 Only steps of decodes alone replay, and only with FlashInfer on CUDA; prefill chunks, mixed steps and every
-other backend run eagerly. Torch-free arithmetic (``buckets``, ``padded_inputs``) is tested on a CPU.
+other backend run eagerly. The arithmetic (``buckets``, ``padded_inputs``) needs no GPU, and the replays are
+tested on a CPU too, CUDA's capture and FlashInfer's wrapper stood in (tests/test_decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class DecodeGraphs:
         big, dev = self.sizes[-1], pool.device
         pages_per_row = min(pool.num_pages, -(-model.config.max_position_embeddings // pool.page_size))
         # The fixed buffers every graph reads, shared by the buckets (a bucket of B uses the first B rows):
-        # inputs [3, big] (token ids, positions, output slots); the page table's indptr [big + 1], indices
-        # [big x pages per row] and last page lengths [big], all int32, which plan() refills before a replay.
+        # inputs [3, big] int64 (token ids, positions, output slots), which _fill rewrites before a replay;
+        # the page table's indptr [big + 1], indices [big x pages per row] and last page lengths [big], int32,
+        # which the wrapper's plan() rewrites.
         self.inputs = torch.zeros(3, big, dtype=torch.long, device=dev)
         indptr = torch.zeros(big + 1, dtype=torch.int32, device=dev)
         indices = torch.zeros(big * pages_per_row, dtype=torch.int32, device=dev)
