@@ -28,10 +28,14 @@ figure lives in this file: run the peer beside us, in the same hour. Writes
 ``results/bench_engine.json``.
 
 ``--device cuda`` (``gpu_main``) runs the same workload and micro-figures on a
-GPU, with FlashInfer and with the PyTorch backend on the same GPU, and writes
-``results/bench_engine-cuda.json``; ``--quick`` is the short run of
-``scripts/gpu_check.sh`` (``--model smollm2-135m-random`` where the GGUF file
-is not installed).
+GPU, with FlashInfer and with the PyTorch backend on the same GPU, decode at
+batch 1, 8 and 64 both replayed from CUDA graphs (as the engine runs it) and
+eager, ``transformers``' figures, and this GPU's floors under ours
+(``experiments.gpu_floors``: memory read bandwidth, bfloat16 GEMM rate, a
+kernel launch's cost eager and in a graph), and writes
+``results/bench_engine-cuda.json``; ``scripts/gpu_check.sh`` runs it in full
+(``--model smollm2-135m-random`` where the GGUF file is not installed);
+``--quick`` is a short run.
 """
 
 from __future__ import annotations
@@ -66,18 +70,21 @@ PEER_KEYS = {"on": "vllm_cpu_prefix_on", "off": "vllm_cpu_prefix_off"}  # vllm_c
 PEER_TARGETS = (("end_to_end_s", 1.0), ("decode_ms_b1", 1.2), ("decode_ms_b8", 1.2))
 
 
-def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto") -> dict:
-    """Prefill of ``context`` tokens and decode steps at batch 1 / 8 through the engine's attention backend,
-    on the model's device (each timed call waits for a GPU to finish)."""
+def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto", batches: tuple[int, ...] = (1, 8),
+               graphs: bool = False) -> dict:
+    """Prefill of ``context`` tokens and decode steps at each of ``batches`` (1 and 8 at least) through the
+    engine's attention backend, on the model's device (each timed call waits for a GPU to finish); with
+    ``graphs`` (FlashInfer on CUDA), each decode replayed from its CUDA graph too (``decode_ms_b{B}_graphs``)."""
     cfg = model.config
     p = next(model.parameters())
-    slots_total = 9 * (context + 8) + 64
-    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total, dtype=p.dtype,
-                  device=p.device)
+    rows = max(batches)
+    slots_total = (rows + 1) * (context + 8) + 64
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots=slots_total + int(graphs), dtype=p.dtype,
+                  device=p.device)  # with graphs, the last slot is their padding page's (of one slot)
     forward, attn = build_forward(model, pool, backend)  # as the engine serves it
     alloc = SlotAllocator(slots_total)
     toks = rng.integers(3, cfg.vocab_size, context).tolist()
-    seqs = [alloc.alloc(context + 1) for _ in range(8)]
+    seqs = [alloc.alloc(context + 1) for _ in range(max(rows, 8))]
 
     def step(tokens, batch: AttentionBatch):
         def run():
@@ -93,18 +100,34 @@ def ours_micro(model, context: int, repeats: int, rng, backend: str = "auto") ->
     def decode(rows: list[np.ndarray]):
         return step([[toks[0]]] * len(rows), AttentionBatch([context] * len(rows), [1] * len(rows), rows))
 
-    shared = [np.concatenate([seqs[0][:500], s[500:]]) for s in seqs]  # a 500-token system prompt in common
-    steps = {"decode_ms_b1": decode(seqs[:1]), "decode_ms_b8": decode(seqs), "decode_ms_b8_shared500": decode(shared)}
+    shared = [np.concatenate([seqs[0][:500], s[500:]]) for s in seqs[:8]]  # a 500-token system prompt in common
+    steps = {**{f"decode_ms_b{b}": decode(seqs[:b]) for b in batches}, "decode_ms_b8_shared500": decode(shared)}
+    if graphs:
+        from radixkv.decode_graphs import DecodeGraphs
+
+        captured = DecodeGraphs(model, pool, attn, rows)
+
+        def replayed(seq_slots: list[np.ndarray]):
+            batch = AttentionBatch([context] * len(seq_slots), [1] * len(seq_slots), seq_slots)
+
+            def run():
+                captured.prepare([toks[0]] * len(seq_slots), batch)
+                captured.replay()
+                torch.cuda.synchronize(p.device)
+            return run
+
+        steps |= {f"decode_ms_b{b}_graphs": replayed(seqs[:b]) for b in batches}
     return {"prefill_ms_per_token": 1e3 * prefill / context,
             **{k: 1e3 * v for k, v in interleaved(steps, rounds=4, per_round=repeats).items()}}
 
 
 def transformers_micro(hf, context: int, repeats: int, rng) -> dict:
     """The same three figures for ``transformers``' own forward with its dynamic KV cache."""
-    toks = torch.as_tensor(rng.integers(3, hf.config.vocab_size, (8, context)))
+    toks = torch.as_tensor(rng.integers(3, hf.config.vocab_size, (8, context)), device=hf.device)
+    done = torch.cuda.synchronize if toks.is_cuda else lambda: None  # a GPU's figure waits for the GPU
     out = {}
     with torch.inference_mode():
-        prefill = timed(lambda: hf(toks[:1], use_cache=False), repeats)
+        prefill = timed(lambda: (hf(toks[:1], use_cache=False), done()), repeats)
         out["prefill_ms_per_token"] = 1e3 * prefill / context
         for b in (1, 8):
             past = hf(toks[:b], use_cache=True).past_key_values
@@ -112,6 +135,7 @@ def transformers_micro(hf, context: int, repeats: int, rng) -> dict:
             def step(b=b, past=past):
                 hf(toks[:b, :1], past_key_values=past, use_cache=True)
                 past.crop(-1)  # back to the same context for every repeat
+                done()
 
             out[f"decode_ms_b{b}"] = 1e3 * timed(step, repeats * 4)
     return out
@@ -343,14 +367,19 @@ GPU_BACKENDS = ("flashinfer", "torch")
 
 
 def gpu_main(args) -> dict:
-    """The main job's workload and the micro-figures on a GPU, with FlashInfer and with the PyTorch backend
-    on the same GPU: absolute times (a dedicated GPU is steady), none of the CPU's floors or peers."""
+    """The main job's workload and the micro-figures on a GPU, with FlashInfer (decode replayed from CUDA graphs,
+    as the engine runs it, and eager) and with the PyTorch backend on the same GPU, ``transformers``' figures,
+    and this GPU's floors under ours (``experiments.gpu_floors``): absolute times (a dedicated GPU is steady)."""
+    from experiments.gpu_floors import DECODE_BATCHES, floor_rows, gpu_floors, gpu_rates, model_shape
+
     if args.quick:
         args.context, args.repeats = min(args.context, 512), min(args.repeats, 2)
     shape = ["--sessions", "4", "--turns", "2"] if args.quick else []
     summary, micro = {}, {}
+    before = gpu_rates(args.device, args.repeats)
     # one copy of the model for the micro-figures: on a GPU build_forward serves it as it is, unchanged
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device,
+                        keep_hf=not args.no_transformers)
     for backend in GPU_BACKENDS:
         mt = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--device",
                              args.device, "--attention-backend", backend, *shape])
@@ -358,16 +387,40 @@ def gpu_main(args) -> dict:
             rows, wall, _ = run_cache(cache, mt)
             summary[f"{backend}/{cache}"] = summarize(cache, rows, wall) | {"backend": backend}
         micro[backend] = ours_micro(loaded.model, args.context, args.repeats, np.random.default_rng(args.seed),
-                                    backend)
+                                    backend, DECODE_BATCHES, graphs=backend == "flashinfer")
+    eager = multiturn_args(["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--device",
+                            args.device, "--attention-backend", "flashinfer", "--no-cuda-graphs", "--caches", "radix",
+                            *shape])
+    rows, wall, _ = run_cache("radix", eager)  # the main job end to end with every decode eager
+    summary["flashinfer-eager/radix"] = summarize("radix", rows, wall) | {"backend": "flashinfer-eager"}
+    if loaded.hf_model is not None:
+        hf = loaded.hf_model.to(device=args.device, dtype=getattr(torch, args.dtype))
+        micro["transformers"] = transformers_micro(hf, args.context, args.repeats, np.random.default_rng(args.seed))
+    after = gpu_rates(args.device, args.repeats)
+    rates = {k: max(before[k], after[k]) if k.endswith("_s") else min(before[k], after[k]) for k in before}
+    radix = summary["flashinfer/radix"]
+    floor = gpu_floors(model_shape(loaded.model), rates, args.context, radix["prefill_tokens"],
+                       mt.turns * (mt.max_new_tokens - 1))
+    fi = micro["flashinfer"]
+    ours = {"prefill_ms_per_token": fi["prefill_ms_per_token"], "end_to_end_s": radix["end_to_end_s"],
+            **{f"decode_ms_b{b}": fi[f"decode_ms_b{b}_graphs"] for b in DECODE_BATCHES}}
+    compared = floor_rows(ours, floor, eager={"end_to_end_s": summary["flashinfer-eager/radix"]["end_to_end_s"],
+                                              **{f"decode_ms_b{b}": fi[f"decode_ms_b{b}"] for b in DECODE_BATCHES}})
     turns = range(1, mt.turns + 1)
     cols = ["backend", "cache", "end_to_end_s", "prefill_tokens", "hit_rate", *[f"ttft_mean_t{t}" for t in turns],
             "overhead_share"]
     print(table(list(summary.values()), cols, {c: ".3g" for c in cols if c not in ("backend", "cache")}))
-    figs = ["prefill_ms_per_token", "decode_ms_b1", "decode_ms_b8", "decode_ms_b8_shared500"]
-    print(table([{"backend": k, **v} for k, v in micro.items()], ["backend", *figs], {c: ".3g" for c in figs}))
+    figs = ["prefill_ms_per_token", *(f"decode_ms_b{b}{g}" for g in ("", "_graphs") for b in DECODE_BATCHES),
+            "decode_ms_b8_shared500"]
+    print(table([{"engine": k, **v} for k, v in micro.items()], ["engine", *figs], {c: ".3g" for c in figs}))
     device = torch.cuda.get_device_name(torch.device(args.device))
-    print(f"on {device}, {args.dtype}, {args.context}-token contexts")
-    result = {"config": vars(args), "env": environment() | {"gpu": device}, "multiturn": summary, "micro": micro}
+    print(f"on {device}, {args.dtype}, {args.context}-token contexts: memory reads {rates['read_gb_s']:.0f} GB/s, "
+          f"bfloat16 GEMM {rates['gemm_tflop_s']:.0f} TFLOP/s, a kernel launch {rates['launch_us_eager']:.2f} us "
+          f"eager, {rates['launch_us_graph']:.2f} us in a graph")
+    print(table(compared, ["figure", "ours", "floor", "ratio", "eager", "graphs_speedup"],
+                {c: ".3g" for c in ("ours", "floor", "ratio", "eager", "graphs_speedup")}))
+    result = {"config": vars(args), "env": environment() | {"gpu": device}, "machine": rates, "floors": floor,
+              "multiturn": summary, "micro": micro, "floor_rows": compared}
     out = with_ext(args.out + ("-cuda" if args.out == "results/bench_engine" else ""), ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))

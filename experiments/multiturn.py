@@ -67,7 +67,7 @@ def engine_kwargs(cache: str, args) -> dict:
                 schedule_policy=args.schedule_policy, chunked_prefill_size=args.chunked_prefill_size,
                 max_batch_tokens=args.max_batch_tokens,
                 in_batch_sharing=args.in_batch_sharing if cache != "none" else 0,  # what the engine applies
-                attention_backend=args.attention_backend,
+                attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                 dtype=args.dtype, device=args.device, seed=args.seed)
 
 
@@ -217,7 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="generated tokens per turn (EOS ignored)")
     add_settings(p, "page_size", "block_size", "capacity_tokens", "eviction_policy", "schedule_policy",
                  "chunked_prefill_size", "max_batch_tokens", "in_batch_sharing", capacity_tokens=16384)
-    add_flags(p, EngineConfig, ("dtype", "attention_backend", "device"))
+    add_flags(p, EngineConfig, ("dtype", "attention_backend", "device", "cuda_graphs"))
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")

@@ -46,6 +46,10 @@ class EngineConfig:
     batch size changes the rounding (``radixkv.cpu.linear.PackedLinear``).
     ``dtype="auto"`` serves the model in its own dtype (SmolLM2-135M: bfloat16; ``tiny-random``:
     float32); ``LLM`` resolves it, so ``LLM(...).config.dtype`` is always a concrete name.
+    ``cuda_graphs=True`` (the default) captures decode steps in CUDA graphs, one per batch-size bucket, and
+    replays them (``radixkv.decode_graphs``): on CUDA with the FlashInfer backend only, keeping one KV page out
+    of the allocator for the padding rows; anywhere else it is accepted and decodes run eagerly, as with
+    ``cuda_graphs=False`` (vLLM's ``enforce_eager=True``, SGLang's ``--disable-cuda-graph``).
     """
 
     model: str = "smollm2-135m"
@@ -60,6 +64,8 @@ class EngineConfig:
     batch_invariant: bool = setting(False, "a token's logits the same bits whichever requests share its step, "
                                            "at some speed (SGLang's --enable-deterministic-inference; 16-bit "
                                            "models on the CPU kernels only)")
+    cuda_graphs: bool = setting(True, "replay decode steps from CUDA graphs captured per batch size (FlashInfer on "
+                                      "CUDA; elsewhere decodes run eagerly); off: vLLM's --enforce-eager")
 
     def __init__(self, model: str = "smollm2-135m", stack: StackConfig | None = None, **settings: Any) -> None:
         for f in fields(self):

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from numbers import Integral
 
 import torch
@@ -123,16 +124,23 @@ class LLM:
         dtype = getattr(torch, cfg.dtype)
         tokens = cfg.kv_cache_tokens or default_kv_tokens(
             KVPool.slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype), cfg.device)
-        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens, page_size=cfg.kv_page_size,
-                           dtype=dtype, device=cfg.device)
+        # CUDA graphs' padding rows write to a page of their own, the pool's last, which no request is given
+        pad = cfg.kv_page_size if cfg.cuda_graphs and torch.device(cfg.device).type == "cuda" else 0
+        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens // cfg.kv_page_size
+                           * cfg.kv_page_size + pad, page_size=cfg.kv_page_size, dtype=dtype, device=cfg.device)
         self.config = cfg = self._host_sized(hicache_ratio)
         self.memory = TierMemory(self.pool)  # each lower tier's KV buffer, made as build_stack builds the tier
-        stack = build_stack(cfg.stack, self.pool.num_slots, memory=self.memory)
+        stack = build_stack(cfg.stack, self.pool.num_slots - pad, memory=self.memory)
         self.mover = self.memory.mover()
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
         # the model's forward and the attention backend; on a CPU in 16 bits, through radixkv.cpu's speed-ups
         self.forward_fn, self.backend = build_forward(self.model, self.pool, cfg.attention_backend,
                                                       cfg.batch_invariant)
+        self.decode_graphs = None  # decode steps replayed from CUDA graphs (FlashInfer on CUDA only)
+        if pad and self.backend.name == "flashinfer":
+            from radixkv.decode_graphs import DecodeGraphs  # lazy: it needs flashinfer
+
+            self.decode_graphs = DecodeGraphs(self.model, self.pool, self.backend, cfg.max_running)
         self.prompts = Prompts(self.tokenizer, mc.vocab_size, mc.max_position_embeddings, self.allocator.capacity,
                                cfg.model)
         self._ids = itertools.count()  # request ids
@@ -372,9 +380,16 @@ class LLM:
         ab = AttentionBatch([s.computed for s, _ in batch], [n for _, n in batch],
                             [s.slots[: s.computed + n] for s, n in batch], [s.prefilling for s, _ in batch])
         self._stats["steps"] += 1
-        x = prepare_step(self.pool, self.backend, toks, ab)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(ab):  # decodes alone: replayed from their bucket's graph
+            graphs.prepare([t[0] for t in toks], ab)
+            run = graphs.replay
+        else:
+            x = prepare_step(self.pool, self.backend, toks, ab)
+            run = partial(self.forward_fn, x.ids, x.positions, x.out_slots, self.pool, self.backend,
+                          qo_indptr=x.qo_indptr)
         t0 = time.perf_counter()
-        logits = self.forward_fn(x.ids, x.positions, x.out_slots, self.pool, self.backend, qo_indptr=x.qo_indptr)
+        logits = run()
         return logits, ab, time.perf_counter() - t0
 
     def _postprocess(self, batch: list[tuple[_Seq, int]], logits: torch.Tensor,

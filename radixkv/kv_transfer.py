@@ -7,7 +7,10 @@ pool is pinned and copies run on a side stream:
 
 * host -> device (a load): the rows are gathered into a pinned staging buffer on the CPU, then copied and
   scattered on the side stream without blocking the CPU (PyTorch keeps a pinned buffer alive until the copy
-  that reads it is done); ``wait`` makes the compute stream wait for them before attention reads them;
+  that reads it is done); ``wait`` makes the compute stream wait for them before attention reads them. Every
+  device tensor the side stream reads is made on it (the destination slots' index too): one made on the
+  compute stream could be read before its copy landed, and once dropped its memory could go to the compute
+  stream's next tensor before the scatter ran, which would then write KV into the wrong slots;
 * device -> host (a write): the side stream first waits for the compute that produced the KV, and the CPU
   waits for the copy before it writes the host rows, so the device slots it read may be reused at once
   (a write-back reads slots ``evict`` just freed). Writes therefore block the CPU for their copy.
@@ -45,21 +48,21 @@ class KVMover:
 
     def __call__(self, copy: Copy) -> None:
         src, dst = self.pools[copy.src], self.pools[copy.dst]
-        src_idx, dst_idx = _index(copy.src_slots, src), _index(copy.dst_slots, dst)
+        src_idx = _index(copy.src_slots, src)
         if self.stream is None:
-            dst.scatter(dst_idx, src.gather(src_idx))
+            dst.scatter(_index(copy.dst_slots, dst), src.gather(src_idx))
             return
         if dst.device.type == "cuda":  # a load: pinned staging, then asynchronous on the side stream
             staging = torch.empty((src.num_layers, 2, len(src_idx), src.num_kv_heads, src.head_dim),
                                   dtype=src.dtype, pin_memory=True)
             torch.index_select(src._kv, 2, src_idx, out=staging)
-            with torch.cuda.stream(self.stream):
-                dst.scatter(dst_idx, staging.to(dst.device, non_blocking=True))
+            with torch.cuda.stream(self.stream):  # the index made here, on the stream that reads it (docstring)
+                dst.scatter(_index(copy.dst_slots, dst), staging.to(dst.device, non_blocking=True))
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the KV it copies is computed
         with torch.cuda.stream(self.stream):
             kv = src.gather(src_idx).to("cpu")  # a write: the CPU waits for it (see the module docstring)
-        dst.scatter(dst_idx, kv)
+        dst.scatter(_index(copy.dst_slots, dst), kv)
 
     def wait(self) -> None:
         """Make the compute stream wait for every copy issued so far (before a forward reads loaded KV)."""

@@ -20,14 +20,24 @@ them one after another. Two steps, each printing how long it took:
    one configuration built and ran in this process in 122 s from nothing.
 
 Run by scripts/gpu_check.sh with FLASHINFER_CUDA_ARCH_LIST, FLASHINFER_WORKSPACE_BASE and MAX_JOBS set.
+
+``--pack FILE`` writes every built module (``<name>/<name>.so`` of FlashInfer's JIT folder) into one
+tar.xz; ``--unpack FILE`` puts such an archive's modules into FlashInfer's AOT folder (``<flashinfer>/data/
+aot``), from which ``JitSpec.build_and_load`` loads a module as it is, with no ninja run and no compiling,
+and step 1 skips them: a later run loads what an earlier one built. ``--versions FILE`` writes what the check
+ran on as JSON (``versions``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
+import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -63,9 +73,14 @@ def prebuild(configs: list[tuple[str, int]]) -> None:
 
     try:
         specs = module_specs(configs, fa3=torch.cuda.get_device_capability() == (9, 0))  # FA3 is sm90 only
+        # a module already in FlashInfer's AOT folder (gpu_check.sh --jit-archive put it there) loads as it is
+        specs = [spec for spec in specs if not getattr(spec, "is_aot", False)]
         build = [spec.build for spec in specs]  # JitSpec.build: write build.ninja, run ninja in build_dir
     except (ImportError, AttributeError, TypeError) as e:  # another FlashInfer's internals
         print(f"step 1 skipped, this FlashInfer's JIT internals differ ({type(e).__name__}: {e})", flush=True)
+        return
+    if not specs:
+        print("step 1: every module is prebuilt (FlashInfer's AOT folder), nothing to compile", flush=True)
         return
     total_jobs = int(os.environ["MAX_JOBS"])
     workers = max(1, min(WORKERS, total_jobs, len(specs)))
@@ -109,7 +124,81 @@ def warm(dtype_name: str, head_dim: int) -> list[str]:
     return lines
 
 
+def built_modules(*folders: Path) -> list[Path]:
+    """Every module in FlashInfer's JIT or AOT folders: ``<folder>/<name>/<name>.so``, one per name."""
+    found = {so.name: so for folder in folders for so in folder.glob("*/*.so") if so.stem == so.parent.name}
+    return [found[name] for name in sorted(found)]
+
+
+def pack(folders: list[Path], archive: Path) -> int:
+    """The modules of ``folders`` (the JIT folder's built ones, the AOT folder's loaded ones) into ``archive``
+    (tar.xz of ``<name>/<name>.so``, nothing else): how many."""
+    modules = built_modules(*folders)
+    with tarfile.open(archive, "w:xz") as tar:
+        for so in modules:
+            tar.add(so, arcname=f"{so.parent.name}/{so.name}")
+    return len(modules)
+
+
+def unpack(archive: Path, aot_dir: Path) -> int:
+    """``pack``'s modules into FlashInfer's AOT folder ``aot_dir``: how many. An archive with any other member
+    (a path out of the folder, a link) is refused whole (SystemExit)."""
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        bad = [m.name for m in members if not (m.isfile() and re.fullmatch(r"(\w[\w.-]*)/\1\.so", m.name))]
+        if bad:
+            raise SystemExit(f"gpu_warmup: {archive} holds more than FlashInfer modules: {bad[:3]}")
+        aot_dir.mkdir(parents=True, exist_ok=True)
+        tar.extractall(aot_dir, members=members, filter="data")
+    return len(members)
+
+
+def versions() -> dict:
+    """What the check runs on: the device and its compute capability, the driver, torch and the CUDA it was
+    built with, nvcc, FlashInfer, transformers, Python (None for what is missing)."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    import torch
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def last_line(command: list[str]) -> str | None:
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return (run.stdout.strip().splitlines() or [None])[-1] if run.returncode == 0 else None
+
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else None,
+            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+            "driver": last_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "nvcc": last_line(["nvcc", "--version"]),
+            "flashinfer": version("flashinfer-python"), "transformers": version("transformers"),
+            "python": platform.python_version()}
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--versions":
+        found = versions()
+        Path(sys.argv[2]).write_text(json.dumps(found, indent=2) + "\n")
+        print(json.dumps(found))
+        return 0
+    if len(sys.argv) == 3 and sys.argv[1] in ("--pack", "--unpack"):
+        from flashinfer.jit import env  # FlashInfer's folders, as it computes them here (arch, workspace)
+
+        if sys.argv[1] == "--pack":
+            count = pack([env.FLASHINFER_JIT_DIR, env.FLASHINFER_AOT_DIR], Path(sys.argv[2]))
+            print(f"packed {count} modules into {sys.argv[2]}")
+        else:
+            print(f"unpacked {unpack(Path(sys.argv[2]), env.FLASHINFER_AOT_DIR)} modules into {env.FLASHINFER_AOT_DIR}")
+        return 0
     configs = [(d, h) for d in DTYPES for h in HEAD_DIMS]
     total_jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
     os.environ["MAX_JOBS"] = str(total_jobs)

@@ -6,8 +6,8 @@
 #
 # Usage: scripts/prepare_gpu_wheels.sh [--python-version X.Y] DIR
 #
-# The check is pytest on tests/test_attention_gpu.py and tests/test_engine_gpu.py plus a short
-# `python -m experiments.bench_engine --device cuda`. Versions are pinned: the set below is the one
+# The check is pytest on the GPU tests (tests/test_*_gpu.py), `python -m experiments.bench_engine --device cuda`
+# and `python -m experiments.cost_fit --device cuda` (scripts/gpu_check.sh). Versions are pinned: the set below is the one
 # checked (as CPython 3.11 wheels, in a Python that has torch and torch's requirements only) to import
 # flashinfer, radixkv.engine and transformers' LlamaForCausalLM and to run pytest, and to fit the budget.
 # Left out on purpose:

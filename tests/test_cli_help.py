@@ -11,7 +11,8 @@ import pytest
 import experiments
 from radixkv import serve
 
-LIBRARIES = ("agentic_engine", "common", "plots", "serve_client", "serve_load")  # shared code, not commands
+# shared code, not commands
+LIBRARIES = ("agentic_engine", "common", "gpu_floors", "plots", "serve_client", "serve_load")
 
 
 class _Parsed(Exception):

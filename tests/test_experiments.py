@@ -9,6 +9,7 @@ import pytest
 
 from experiments import multiturn
 from experiments.common import read_rows
+from radixkv.cost import TIME_CONSTANTS
 from radixkv.sim import CostModel
 
 TINY = ["--model", "tiny-random", "--dtype", "float32", "--sessions", "2", "--turns", "3", "--system-tokens", "40",
@@ -340,3 +341,20 @@ def test_serve_medians_pools_the_repeats_of_each_run():
     assert got["vllm-sp2"]["runs"] == 3 and got["vllm-sp2"]["ttft_p50"] == 2.0
     assert got["vllm-sp2"]["request_throughput"] == 2.0 and got["radixkv-sp2"]["ttft_p50"] == 0.5
     assert "tpot_p50" not in got["vllm-sp2"]  # a figure the rows lack is left out, not made up
+
+
+def test_cost_fit_fits_on_one_workload_and_predicts_another_out_of_sample(tmp_path):
+    from experiments import cost_fit
+
+    assert cost_fit.per_turn([{"turn": 0, "ttft": 1.0}, {"turn": 0, "ttft": 3.0}, {"turn": 1, "ttft": 4.0}],
+                             [{"turn": 0, "ttft": 3.0}, {"turn": 1, "ttft": 2.0}]) == [
+        {"turn": 1, "measured_s": 2.0, "predicted_s": 3.0, "error": 0.5},
+        {"turn": 2, "measured_s": 4.0, "predicted_s": 2.0, "error": -0.5}]
+    with pytest.raises(SystemExit):
+        cost_fit.parse_args(["--fit-preset", "wide", "--predict-preset", "wide"])
+    got = cost_fit.main(["--model", "tiny-random", "--quick", "--out", str(tmp_path / "fit")])
+    saved = json.loads((tmp_path / "fit.json").read_text())
+    assert saved["fitted"] == got["fitted"] and set(got["fitted"]) == set(TIME_CONSTANTS)
+    assert got["fit_steps"] >= 5 and [r["turn"] for r in got["out_of_sample"]] == [1, 2]
+    assert got["max_abs_error_out_of_sample"] == max(abs(r["error"]) for r in got["out_of_sample"])
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in got["out_of_sample"] + got["in_sample"])

@@ -8,6 +8,7 @@ import csv
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import re
 import subprocess
@@ -82,6 +83,73 @@ def test_gpu_warmup_builds_each_module_in_its_own_folder(monkeypatch):
     assert {entry[1:] for entry in log} == {(True, "16")}
 
 
+def test_gpu_warmup_packs_the_built_modules_and_unpacks_them_where_flashinfer_loads_them(tmp_path):
+    """--pack keeps each module's <name>/<name>.so only (no objects, no locks); --unpack puts them in the AOT
+    folder, which FlashInfer's JitSpec.build_and_load loads from without compiling; anything else is refused."""
+    import tarfile
+
+    warmup = load_script("gpu_warmup")
+    jit = tmp_path / "cached_ops"
+    for name in ("batch_decode_a", "batch_prefill_b"):
+        (jit / name).mkdir(parents=True)
+        (jit / name / f"{name}.so").write_bytes(name.encode() * 100)
+        (jit / name / "kernel.cuda.o").write_bytes(b"object")
+    (jit / "tmp").mkdir()
+    (jit / "tmp" / "batch_decode_a.lock").write_text("")
+    (jit / "half_built").mkdir()
+    (jit / "half_built" / "other.so").write_bytes(b"")  # not <name>/<name>.so: not a finished module
+    archive = tmp_path / "flashinfer-aot.tar.xz"
+    assert warmup.pack([jit, tmp_path / "no-aot-folder"], archive) == 2
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["batch_decode_a/batch_decode_a.so", "batch_prefill_b/batch_prefill_b.so"]
+    aot = tmp_path / "flashinfer" / "data" / "aot"
+    assert warmup.unpack(archive, aot) == 2
+    assert (aot / "batch_decode_a" / "batch_decode_a.so").read_bytes() == b"batch_decode_a" * 100
+    (jit / "batch_decode_c").mkdir()  # a module the next run built: packed with those it loaded
+    (jit / "batch_decode_c" / "batch_decode_c.so").write_bytes(b"c")
+    assert warmup.pack([jit, aot], archive) == 3
+    for bad in ("../escape/escape.so", "a/b.so", "a/a.so/x"):
+        evil = tmp_path / "evil.tar.xz"
+        with tarfile.open(evil, "w:xz") as tar:
+            info = tarfile.TarInfo(bad)
+            tar.addfile(info, io.BytesIO(b""))
+        with pytest.raises(SystemExit, match="more than FlashInfer modules"):
+            warmup.unpack(evil, tmp_path / "elsewhere")
+        assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "escape").exists()
+
+
+def test_gpu_warmup_skips_the_modules_already_prebuilt(monkeypatch):
+    import types
+
+    import torch
+
+    log = []
+    prebuilt = FakeSpec(log, "fa2 prebuilt")
+    prebuilt.is_aot = True
+    gen = types.SimpleNamespace(gen_batch_prefill_module=lambda *a: prebuilt,
+                                _gen_batch_prefill_primary_module=lambda *a: prebuilt,
+                                gen_batch_decode_module=lambda *a: FakeSpec(log, "decode"))
+    jit = types.ModuleType("flashinfer.jit.attention")
+    jit.modules = gen
+    for name, module in [("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", types.ModuleType("j")),
+                         ("flashinfer.jit.attention", jit)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("MAX_JOBS", "4")
+    load_script("gpu_warmup").prebuild([("bfloat16", 64)])
+    assert [name for name, *_ in log] == ["decode"]  # the prebuilt FA3 and FA2 modules are not built again
+
+
+def test_gpu_warmup_writes_the_versions(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPTS / "gpu_warmup.py"), "--versions", str(tmp_path / "v.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = json.loads((tmp_path / "v.json").read_text())
+    assert set(found) == {"device", "capability", "driver", "torch", "cuda", "nvcc", "flashinfer", "transformers",
+                          "python"}
+    assert found["torch"] and found["python"]
+
+
 # --- gpu_check.sh's arguments: answered before anything runs ---------------------------------------------------
 
 
@@ -106,7 +174,10 @@ def test_gpu_check_help(no_python, tmp_path):
     env, mark = no_python
     run = gpu_check(["--help"], env, tmp_path)
     assert run.returncode == 0
-    assert "usage: scripts/gpu_check.sh" in run.stdout and "--wheels DIR" in run.stdout
+    assert "usage: scripts/gpu_check.sh" in run.stdout
+    for option in ("--wheels DIR", "--out DIR", "--jit-archive FILE", "--jit-cache DIR", "--timeout SECONDS",
+                   "--model NAME"):
+        assert option in run.stdout
     assert not mark.exists()
 
 
@@ -118,13 +189,58 @@ def test_gpu_check_help(no_python, tmp_path):
     (["--wheels", "{tmp}/nonexistent"], "no such directory"),
     (["--wheels", "{tmp}"], "no .whl files in it"),
     (["--timeout", "soon"], "--timeout needs a whole number of seconds"),
+    (["--out"], "--out needs a value"),
+    (["--model", "--out", "x"], "--model needs a value"),
+    (["--jit-archive", "{tmp}/nonexistent.tar.xz"], "--jit-archive {tmp}/nonexistent.tar.xz: no such file"),
 ])
 def test_gpu_check_rejects_bad_arguments(no_python, tmp_path, args, says):
     env, mark = no_python
     run = gpu_check([a.format(tmp=tmp_path) for a in args], env, tmp_path)
     assert run.returncode == 2, run.stderr
-    assert says in run.stderr
+    assert says.format(tmp=tmp_path) in run.stderr
     assert not mark.exists()  # nothing installed, nothing run
+
+
+STUB_PYTHON = """#!/bin/sh
+# python3 stood in: logs each call; the GPU's capability for -c, files for --pack and --versions; pytest fails
+echo "$*" >>"$STUB_LOG"
+case "$1 $2" in
+    "-c "*) echo 9.0 ;;
+    "scripts/gpu_warmup.py --pack" | "scripts/gpu_warmup.py --versions") echo stub >"$3" ;;
+    "-m pytest") exit 1 ;;
+esac
+exit 0
+"""
+
+
+def test_gpu_check_runs_every_step_past_a_failed_one_and_keeps_its_output(tmp_path):
+    """With python3, nvcc and ninja stood in (no GPU needed): the steps run in order, a failed step is reported
+    and the next ones still run, the exit status says one failed, and the log and the files land in --out."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python3", STUB_PYTHON), ("nvcc", "#!/bin/sh\nexit 0\n"), ("ninja", "#!/bin/sh\nexit 0\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "stub-1.0-py3-none-any.whl").write_bytes(b"")
+    log = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log)}
+    run = gpu_check(["--wheels", str(wheels), "--out", "out", "--model", "tiny-random"], env, tmp_path)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"gpu_check.log", "versions.json", "flashinfer-aot.tar.xz"}
+    text = (out / "gpu_check.log").read_text()
+    assert "-- pytest -m gpu:" in text and "FAILED with status 1" in text
+    assert "gpu_check: FAILED: pytest -m gpu" in text
+    calls = log.read_text().splitlines()
+    steps = [c for c in calls if c.startswith(("scripts/gpu_warmup.py", "-m "))]
+    assert [c.split()[:2] for c in steps] == [
+        ["scripts/gpu_warmup.py", "--versions"], ["scripts/gpu_warmup.py"], ["scripts/gpu_warmup.py", "--pack"],
+        ["-m", "pytest"], ["-m", "experiments.bench_engine"], ["-m", "experiments.cost_fit"]]
+    assert f"--junitxml={out}/pytest.xml" in steps[3]
+    assert f"--model tiny-random --out {out}/bench_engine-cuda" in steps[4] and "--quick" not in steps[4]
+    assert f"--out {out}/cost_fit-cuda" in steps[5]
 
 
 def test_prepare_gpu_wheels_arguments(tmp_path):

@@ -43,3 +43,30 @@ def test_engine_with_a_host_tier_matches_one_big_pool():
         outs.append([[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)])
         llm.check_idle()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loads_behind_a_busy_side_stream_land_in_their_own_slots(dtype):
+    """Many loads queued behind a side stream kept busy, while the compute stream makes and fills new tensors of
+    the index's size (which would take an index's memory, were it made there and dropped before its scatter
+    ran): every loaded slot holds its own source slot's KV bit for bit, and no other slot changed."""
+    device = KVPool(2, 2, 64, num_slots=4096, page_size=16, dtype=dtype, device="cuda")
+    host = KVPool(2, 2, 64, num_slots=4096, page_size=16, dtype=dtype, pin_memory=True)
+    host._kv.copy_(torch.randn(host.buffer_shape).to(dtype))
+    device._kv.copy_(torch.randn(device.buffer_shape, device="cuda").to(dtype))
+    before = device._kv.clone()
+    mover = KVMover(device, host)
+    rng = np.random.default_rng(0)
+    dst = rng.permutation(4096)[:3072].reshape(48, 64)  # 48 loads of 64 slots each, no slot twice
+    src = rng.permutation(4096)[:3072].reshape(48, 64)
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(200_000_000)  # the side stream busy for a while (about 0.1 s): the loads queue behind it
+    for s, d in zip(src, dst, strict=True):
+        mover(Copy("host", "device", s, d))
+        torch.zeros(64, dtype=torch.long, device="cuda").fill_(7)  # the compute stream reuses freed memory at once
+    mover.wait()
+    got = device._kv.index_select(2, torch.as_tensor(dst.ravel(), device="cuda")).cpu()
+    assert torch.equal(got, host._kv[:, :, torch.as_tensor(src.ravel())])
+    untouched = torch.ones(4096, dtype=torch.bool)
+    untouched[torch.as_tensor(dst.ravel())] = False
+    assert torch.equal(device._kv[:, :, untouched.cuda()], before[:, :, untouched.cuda()])

@@ -101,12 +101,14 @@ class FlashInferBackend:
             raise FlashInferUnavailableError(reason)
         group = group_of(pool, num_qo_heads)
         self.pool, self.num_qo_heads, self.scale = pool, num_qo_heads, scale_for(pool, scale)
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)  # allocated once
+        # allocated once, zeroed: FlashInfer's wrappers document their float workspace as zeroed before first use
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         # FlashInfer's CUDA-core decode kernel is instantiated for these query heads per KV head only; other
         # groups decode through its tensor-core (prefill) kernel, which takes any group.
+        self.decode_tensor_cores = group not in CUDA_CORE_DECODE_GROUPS
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=group not in CUDA_CORE_DECODE_GROUPS)
+            self._workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
         self._parts = []  # (FlashInfer wrapper, its query rows [rows] int64) per kind of row the step has
 
     def plan(self, batch: AttentionBatch, q_dtype: torch.dtype | None = None) -> None:
@@ -115,8 +117,7 @@ class FlashInferBackend:
         to_dev = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
         self._parts = [(wrapper, torch.as_tensor(batch.query_rows(reqs), dtype=torch.long, device=dev))
                        for wrapper, reqs in ((self._prefill, pre), (self._decode, dec)) if reqs]
-        common = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads, page_size=ps,
-                      sm_scale=self.scale, q_data_type=q_dtype or pool.dtype, kv_data_type=pool.dtype)
+        common = self.plan_args(q_dtype)
         if pre:
             indptr, indices, last = map(to_dev, page_table([batch.slots[r] for r in pre], ps))
             qo = np.concatenate([[0], np.cumsum([batch.new_lens[r] for r in pre])])
@@ -125,6 +126,12 @@ class FlashInferBackend:
         if dec:
             indptr, indices, last = map(to_dev, page_table([batch.slots[r] for r in dec], ps))
             self._decode.plan(indptr=indptr, indices=indices, last_page_len=last, head_dim=pool.head_dim, **common)
+
+    def plan_args(self, q_dtype: torch.dtype | None = None) -> dict:
+        """The keywords every ``plan`` of this pool takes, the prefill's and the decode's (and the graphs')."""
+        pool = self.pool
+        return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads, page_size=pool.page_size,
+                    sm_scale=self.scale, q_data_type=q_dtype or pool.dtype, kv_data_type=pool.dtype)
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [num_tokens, num_qo_heads, head_dim]

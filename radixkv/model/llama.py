@@ -215,10 +215,13 @@ class LlamaForCausalLM(nn.Module):
         """The step's embeddings ``x`` ``[num_tokens, hidden]`` and RoPE tables ``cos``, ``sin``
         ``[num_tokens, 1, head_dim]`` in the model's dtype; ``ValueError`` for ids or positions out of range."""
         cfg = self.config
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+        # Checks read values back, which a CUDA graph being captured cannot; a replayed decode's ids are sampled
+        # and its positions checked with the prompt (radixkv.inputs.Prompts.check).
+        checked = not (input_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+        if checked and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
             bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][:5].tolist()
             raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size}): {bad}")
-        if positions.numel() and int(positions.max()) >= cfg.max_position_embeddings:
+        if checked and positions.numel() and int(positions.max()) >= cfg.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is past the model's context length "
                              f"{cfg.max_position_embeddings}")
         x = self.model.embed_tokens(input_ids)  # x: [num_tokens, hidden]
