@@ -28,6 +28,21 @@ def trim_module():
     return load_script("trim_flashinfer_wheel")
 
 
+def fake_flashinfer(monkeypatch, gen, jobs: int) -> None:
+    """flashinfer's JIT module generators stood in by ``gen``, on a Hopper GPU, with ``jobs`` parallel builds."""
+    import types
+
+    import torch
+
+    jit = types.ModuleType("flashinfer.jit.attention")
+    jit.modules = gen
+    for name, module in [("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", types.ModuleType("j")),
+                         ("flashinfer.jit.attention", jit)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("MAX_JOBS", str(jobs))
+
+
 def load_script(name):
     """A script of scripts/ as a module, without leaving a __pycache__ in the repo."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
@@ -55,7 +70,6 @@ def test_gpu_warmup_builds_each_module_in_its_own_folder(monkeypatch):
     module it had built (seen on an H200); step 1 calls each spec's own build, FA3 first, MAX_JOBS split."""
     import types
 
-    import torch
 
     log = []
     gen = types.SimpleNamespace(
@@ -63,13 +77,7 @@ def test_gpu_warmup_builds_each_module_in_its_own_folder(monkeypatch):
         _gen_batch_prefill_primary_module=lambda backend, *a: FakeSpec(log, f"{backend} {a[0]} {a[4]}"),
         gen_batch_decode_module=lambda *a: (len(a) == 9 or pytest.fail("decode takes 9")) and
         FakeSpec(log, f"decode {a[0]} {a[4]}"))
-    jit = types.ModuleType("flashinfer.jit.attention")
-    jit.modules = gen
-    for name, module in [("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", types.ModuleType("j")),
-                         ("flashinfer.jit.attention", jit)]:
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setenv("MAX_JOBS", "16")
+    fake_flashinfer(monkeypatch, gen, jobs=16)
     warmup = load_script("gpu_warmup")
     warmup.prebuild([("bfloat16", 64), ("float16", 128)])
     assert len(log) == 6 and {entry[1:] for entry in log} == {(True, "4")}
@@ -121,7 +129,6 @@ def test_gpu_warmup_packs_the_built_modules_and_unpacks_them_where_flashinfer_lo
 def test_gpu_warmup_skips_the_modules_already_prebuilt(monkeypatch):
     import types
 
-    import torch
 
     log = []
     prebuilt = FakeSpec(log, "fa2 prebuilt")
@@ -129,13 +136,7 @@ def test_gpu_warmup_skips_the_modules_already_prebuilt(monkeypatch):
     gen = types.SimpleNamespace(gen_batch_prefill_module=lambda *a: prebuilt,
                                 _gen_batch_prefill_primary_module=lambda *a: prebuilt,
                                 gen_batch_decode_module=lambda *a: FakeSpec(log, "decode"))
-    jit = types.ModuleType("flashinfer.jit.attention")
-    jit.modules = gen
-    for name, module in [("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", types.ModuleType("j")),
-                         ("flashinfer.jit.attention", jit)]:
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setenv("MAX_JOBS", "4")
+    fake_flashinfer(monkeypatch, gen, jobs=4)
     load_script("gpu_warmup").prebuild([("bfloat16", 64)])
     assert [name for name, *_ in log] == ["decode"]  # the prebuilt FA3 and FA2 modules are not built again
 
