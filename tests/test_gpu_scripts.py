@@ -70,7 +70,6 @@ def test_gpu_warmup_builds_each_module_in_its_own_folder(monkeypatch):
     module it had built (seen on an H200); step 1 calls each spec's own build, FA3 first, MAX_JOBS split."""
     import types
 
-
     log = []
     gen = types.SimpleNamespace(
         gen_batch_prefill_module=lambda backend, *a: FakeSpec(log, f"{backend} {a[0]} {a[4]}"),
@@ -128,7 +127,6 @@ def test_gpu_warmup_packs_the_built_modules_and_unpacks_them_where_flashinfer_lo
 
 def test_gpu_warmup_skips_the_modules_already_prebuilt(monkeypatch):
     import types
-
 
     log = []
     prebuilt = FakeSpec(log, "fa2 prebuilt")
