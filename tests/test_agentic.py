@@ -192,9 +192,9 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
             "2", "--cost-presets", "llama3-8b-h100", "--policies", "lru,belady", "--routers", "round_robin,affinity",
             "--replicas", "2", "--write-policies", "write_back"]
     rows = experiment.main(argv)
-    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: six
-    # configurations on the device alone, five over a host tier (belady: the device alone); per capacity
-    assert len(rows) == 2 * (3 + 1 + 3 + 11)
+    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eight
+    # configurations on the device alone, six over a host tier (belady and oracle: the device alone); per capacity
+    assert len(rows) == 2 * (3 + 1 + 3 + 14)
     learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
     assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")
