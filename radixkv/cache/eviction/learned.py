@@ -171,8 +171,8 @@ class Learned(EvictionPolicy):
         parent = self.cache.parent_of(entry)
         if parent is not None and self.cache.is_last_child(entry):  # the path's rest keeps its latest class
             above = parent.state  # not a finished class: on the agentic trace that cost a third of LRU's hits
-            turn = record.cls < self._finished_base and record.turn >= above.turn
-            if turn and above.cls != TAIL and self._class_of(above) != SHARED:
+            passes_up = record.cls < self._finished_base and record.turn >= above.turn
+            if passes_up and above.cls != TAIL and self._class_of(above) != SHARED:
                 above.cls, above.turn, above.born = record.cls, record.turn, record.born
                 self.push(parent)  # its rank changed (the hash cache would keep its old heap item)
 
