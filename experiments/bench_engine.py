@@ -49,13 +49,14 @@ import torch
 from torch import nn
 
 from experiments.common import environment, parser, run_cli, table, with_ext
+from experiments.gpu_floors import model_shape
 from experiments.multiturn import CACHES as MULTITURN_CACHES
 from experiments.multiturn import parse_args as multiturn_args
 from experiments.multiturn import run_cache, summarize
 from radixkv import SlotAllocator
 from radixkv.attention import AttentionBatch
 from radixkv.config import DTYPES
-from radixkv.cpu.linear import PackedLinear, linear_compute_dtype
+from radixkv.cpu.linear import linear_compute_dtype
 from radixkv.forward import build_forward
 from radixkv.memory.kv_pool import KVPool
 from radixkv.model import load_model
@@ -191,16 +192,12 @@ def floors(model: nn.Module, rates: dict, context: int, prefill_tokens: int | No
     steps to those prefill tokens: the main job's decode contexts average
     about ``context``.
     """
-    cfg = model.config
-    size = next(model.parameters()).element_size()  # bytes per weight and per K/V value
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
-    params = sum(m.in_features * m.out_features for m in linears)
-    head = cfg.hidden_size * cfg.vocab_size
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
+    shape = model_shape(model)
+    params, head, size, kv_per_token = shape["params"], shape["head"], shape["bytes"], shape["kv_bytes_per_token"]
     bandwidth = rates["read_gb_s"] * 1e9
 
-    saved_b1 = sum(m.in_features * m.out_features * size - m.coded.nbytes for m in linears
-                   if getattr(m, "coded", None) is not None and m.coded_rows >= 1)
+    saved_b1 = sum(m.in_features * m.out_features * size - m.coded.nbytes for m in model.modules()
+                   if getattr(m, "coded", None) is not None and m.coded_rows >= 1)  # linears with 4-bit codes
 
     flop_rate = rates["gemm_gflop_s"] * 1e9
 
@@ -370,7 +367,7 @@ def gpu_main(args) -> dict:
     """The main job's workload and the micro-figures on a GPU, with FlashInfer (decode replayed from CUDA graphs,
     as the engine runs it, and eager) and with the PyTorch backend on the same GPU, ``transformers``' figures,
     and this GPU's floors under ours (``experiments.gpu_floors``): absolute times (a dedicated GPU is steady)."""
-    from experiments.gpu_floors import DECODE_BATCHES, floor_rows, gpu_floors, gpu_rates, model_shape
+    from experiments.gpu_floors import DECODE_BATCHES, floor_rows, gpu_floors, gpu_rates
 
     if args.quick:
         args.context, args.repeats = min(args.context, 512), min(args.repeats, 2)

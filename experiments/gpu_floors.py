@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixkv.cpu.linear import PackedLinear
+from radixkv.decode_graphs import capture
+
 # The kernels a decode step needs at the least, for the launch bound: per layer, the two RMSNorms (residual
 # add fused in), the QKV, output, gate-up and down GEMMs, RoPE, the KV store, attention and SiLU-and-multiply,
 # as vLLM's fused kernels run a Llama layer; per step, the embedding, the final norm and the LM head.
@@ -20,11 +23,12 @@ DECODE_BATCHES = (1, 8, 64)
 
 
 def model_shape(model: nn.Module) -> dict:
-    """What the floors read of a model: its linear weights (``params``, the LM head's share ``head``), bytes
-    per weight and per K/V value, K/V bytes per token over all layers, and its layers."""
+    """What the floors (these and the CPU's ``bench_engine.floors``) read of a model: its linear weights
+    (``params``, packed ones included; the LM head's share ``head``), bytes per weight and per K/V value, K/V
+    bytes per token over all layers, and its layers."""
     cfg = model.config
     size = next(model.parameters()).element_size()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
     return {"params": sum(m.in_features * m.out_features for m in linears), "head": cfg.hidden_size * cfg.vocab_size,
             "bytes": size, "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size,
             "layers": cfg.num_layers}
@@ -107,14 +111,7 @@ def gpu_rates(device: str = "cuda", repeats: int = 5, launches: int = 2000) -> d
                 one.add_(1)
 
         eager = _best_ms(adds, repeats)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            adds()  # warm, off the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            adds()
+        graph, _ = capture(adds, device)
         replayed = _best_ms(graph.replay, repeats)
     return {"read_gb_s": read / 1e9, "gemm_tflop_s": gemm / 1e12, "launch_us_eager": 1e3 * eager / launches,
             "launch_us_graph": 1e3 * replayed / launches}

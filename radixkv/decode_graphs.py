@@ -15,7 +15,8 @@ tested on a CPU too, CUDA's capture and FlashInfer's wrapper stood in (tests/tes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,22 @@ def padded_inputs(tokens: Sequence[int], batch: AttentionBatch, rows: int,
     inputs[2, :n] = [s[-1] for s in batch.slots]
     pad = np.array([pad_slot], dtype=np.int64)
     return inputs, [*batch.slots, *[pad] * (rows - n)]
+
+
+def capture(run: Callable[[], Any], device: torch.device | str, memory: Any = None
+            ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``run()`` captured in a CUDA graph on ``device`` (in the graph memory pool ``memory``, None: its own),
+    after one run off the capture, on a side stream (lazy inits, cuBLAS workspaces): the graph and the output
+    its replays write over."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory):
+        out = run()
+    return graph, out
 
 
 class _GraphAttention:
@@ -115,17 +132,8 @@ class DecodeGraphs:
         return graph, wrapper, logits  # logits: [b, vocab]
 
     def _record(self, run, memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """``run()`` captured in a graph: the graph and the output its replays write over."""
-        dev = self.pool.device
-        side = torch.cuda.Stream(dev)  # a first run off the capture: lazy inits, cuBLAS workspaces
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=memory):
-            out = run()
-        return graph, out
+        """``capture`` on the pool's device (the CPU tests stand it in)."""
+        return capture(run, self.pool.device, memory)
 
     def _fill(self, wrapper, b: int, tokens: Sequence[int], batch: AttentionBatch) -> None:
         inputs, slot_lists = padded_inputs(tokens, batch, b, self.pad_slot)
