@@ -417,13 +417,20 @@ def test_host_eviction_frees_other_entries_for_a_write(kind):
     rig.check()
 
 
+EXCLUSIVE_POLICIES = ("lru", "ttl", "session")  # whose orders rank a demoted copy first
+
+
 @kinds
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_the_host_drops_copies_the_device_holds_first(kind, policy):
+@pytest.mark.parametrize("eviction", EXCLUSIVE_POLICIES)
+def test_the_host_drops_copies_the_device_holds_first(kind, policy, eviction):
     """The lower tier stays nearly exclusive: its copies of what the device holds are demoted and go first,
     a device eviction writes down what the host dropped, and a write_through copy never displaces a prefix
-    only the host keeps. Device and host of 16 then keep three 8-token prefixes (inclusive tiers: two)."""
-    rig = Rig(kind, policy, device=16, host=16)
+    only the host keeps. Device and host of 16 then keep three 8-token prefixes (inclusive tiers: two). Under
+    ``ttl`` and ``session`` too: a held copy the device holds goes before a held prefix only the host keeps
+    (these tiers were inclusive, and an agent replay's host held half duplicates)."""
+    rig = Rig(kind, policy, device=16, host=16, eviction=eviction)
+    assert rig.host.exclusive
     a, b, c = (np.arange(8) + 100 * k for k in range(1, 4))
     assert rig.put(a) and rig.put(b)
     assert rig.put(c)  # the device evicts a (least recent): its copy becomes the host's own
@@ -718,11 +725,11 @@ def test_host_copies_equal_device_copies_under_random_operations(kind, policy):
 @kinds
 @pytest.mark.parametrize("eviction", sorted(POLICIES))
 def test_every_eviction_policy_keeps_the_tiers_consistent(kind, eviction):
-    """Each tier runs the policy (lru's tiers nearly exclusive, with demotions and demoted-only evictions; the
+    """Each tier runs the policy (lru's, ttl's and session's tiers nearly exclusive, with demotions and demoted-only evictions; the
     others' inclusive): no slot lost or held twice, every copy the KV of its prefix, the policies' books intact."""
     rng = np.random.default_rng(5)
     rig = Rig(kind, "write_through", device=24, host=24, storage=32, eviction=eviction)
-    assert rig.host.exclusive == (eviction == "lru")
+    assert rig.host.exclusive == (eviction in EXCLUSIVE_POLICIES)
     stems = [rng.integers(0, 40, size=n) for n in (4, 8, 9, 12)]
     for _ in range(90):
         ns, toks = draw(rng, stems)

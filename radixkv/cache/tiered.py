@@ -18,7 +18,7 @@ Write policies (SGLang's names) decide when device KV is copied down:
   that dropped the copy it made at insert.
 
 Under ``write_through`` and ``write_back`` an *exclusive* tier (``Tier.exclusive``: one replica's own,
-evicting ``lru``) holds little of what the device holds: its copy of a prefix the device holds is
+evicting ``lru``, ``ttl`` or ``session``, whose orders put spare copies first) holds little of what the device holds: its copy of a prefix the device holds is
 ``demote``d, ranked below everything else, whenever the device gets or keeps that prefix (an insert, an
 admission's device match, a load), and the device's evictions are written down where it dropped the copy.
 ``write_through`` copies each insert into its free slots or slots of such spare copies only, never

@@ -36,10 +36,12 @@ class TTL(EvictionPolicy):
     Every insert by a request (its prefill chunks, its whole sequence when it finishes) holds the inserted
     path until ``clock() + ttl`` seconds, the request's ``CacheHints.ttl`` if it gives one, else ``ttl``;
     a match does not extend a hold. A held entry is evicted only when no unheld one is left (then the
-    earliest hold end first); unheld ones go least recently used first. With one hold time for every request
-    it is close to LRU (what was inserted last is held longest); it is meant for requests that hold for
-    different times, as an agent framework that knows its tool calls would ask. O(log n) per push; a pop
-    also moves the entries whose hold lapsed to the unheld heap (each once per hold).
+    earliest hold end first); unheld ones go least recently used first, and before all a lower tier's
+    copies of what a nearer tier holds (``demote``d), so such a tier stays nearly exclusive of the device, as
+    under ``lru``. With one hold time for every request it is close to LRU (what was inserted last is held
+    longest); it is meant for requests that hold for different times, as an agent framework that knows its
+    tool calls would ask. O(log n) per push; a pop also moves the entries whose hold lapsed to the unheld
+    heap (each once per hold).
 
     Args:
         ttl: seconds, a finite number >= 0 (default 30).
@@ -47,6 +49,7 @@ class TTL(EvictionPolicy):
 
     name = "ttl"
     observes = True
+    keeps_order_under_demotion = True  # a demoted entry goes unheld, below every other: a tier's spare copy
     params = ("ttl",)
 
     def __init__(self, ttl: float = 30.0):
@@ -63,7 +66,7 @@ class TTL(EvictionPolicy):
 
     def push(self, entry: Entry) -> None:
         until = entry.state or 0.0
-        if until > self.clock():
+        if until > self.clock() and entry.last_access >= 0:  # a demoted copy (below zero) is never held
             self.held.push(entry, until)
         else:
             self.unheld.push(entry, entry.last_access)

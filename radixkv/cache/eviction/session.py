@@ -12,7 +12,8 @@ the stop reason with the insert a request makes when it finishes:
 * anything else (prefill chunks, a stop not recorded, the engine's ``stop`` / ``length``, which say nothing
   of what comes next) is ranked least recently used.
 
-Victims: cold entries first, then unheld ones, least recently used first; held entries only when nothing
+Victims: copies a nearer tier holds (``demote``d: a lower tier keeps this policy's order and stays nearly
+exclusive of the device, as under ``lru``) and cold entries first, then unheld ones, least recently used first; held entries only when nothing
 else is left, earliest hold end first (holds are soft: a hold never keeps an admission from memory).
 A match does not extend a hold. O(log n) per push and pop; a pop also moves lapsed holds to the unheld heap
 (each once per hold); O(1) per touched entry.
@@ -80,7 +81,7 @@ class SessionRetention(TTL):
         return self.pauses.hold(sub_agent)
 
     def push(self, entry: Entry) -> None:
-        if entry.state == COLD:
+        if entry.state == COLD or entry.last_access < 0:  # demoted (below zero): a tier's spare copy goes first
             self.cold.push(entry, entry.last_access)
         else:
             super().push(entry)
