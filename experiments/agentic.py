@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None):
                    help=f"part sessions' configurations, of {tuple(SESSION_CONFIGS)}")
     p.add_argument("--session-host-ratios", default="0,1",
                    help="part sessions: host tokens per device token (0: the device alone)")
+    p.add_argument("--session-write-policies", default="write_back",
+                   help=f"part sessions' write policies over a host tier, of {WRITE_POLICIES}")
     p.add_argument("--max-pause", type=float, default=None, help="cap on every recorded pause, seconds")
     p.add_argument("--sessions", type=int, default=None, help="only the first N sessions of the seeded order")
     p.add_argument("--engine", action="store_true",
@@ -137,16 +139,19 @@ def grid(args) -> list[dict]:
 
 
 def session_configs(args, base: dict) -> list[dict]:
-    """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio
-    (``belady`` on the device alone: the reference eviction, not a tiered one)."""
+    """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio, over a
+    host tier under each of ``--session-write-policies`` (``belady`` on the device alone: the reference
+    eviction, not a tiered one)."""
     out = []
+    writes = names_from(args.session_write_policies, WRITE_POLICIES, "--session-write-policies")
     for ratio in (float(r) for r in args.session_host_ratios.split(",")):
-        for label in names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs"):
-            schedule, policy, params = SESSION_CONFIGS[label]
-            if policy != "belady" or not ratio:
-                out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
-                            "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
-                            "write_policy": "write_back" if ratio else None})
+        for write in writes if ratio else [None]:
+            for label in names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs"):
+                schedule, policy, params = SESSION_CONFIGS[label]
+                if policy != "belady" or not ratio:
+                    out.append({**base, "part": "sessions", "cache": "radix", "label": label,
+                                "schedule_policy": schedule, "eviction_policy": policy, "eviction_params": params,
+                                "host_ratio": ratio, "write_policy": write})
     return out
 
 
@@ -238,10 +243,11 @@ def session_table(rows: list[dict]) -> list[str]:
              "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = list(SESSION_CONFIGS)
     for r in sorted(rows, key=lambda r: (r["config"]["concurrency"], r["config"]["capacity_tokens"],
-                                         r["config"]["host_ratio"], order.index(r["config"]["label"]))):
+                                         r["config"]["host_ratio"], _write(r["config"]),
+                                         order.index(r["config"]["label"]))):
         c = r["config"]
         host = c["host_ratio"] * c["capacity_tokens"]
-        lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {f'{host / 1e6:g}M' if host else '-'} | "
+        lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {f'{host / 1e6:g}M{_write(c)}' if host else '-'} | "
                      f"{c['concurrency']:g} | {c['label']} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | "
                      f"{r['ttft_p99']:.1f} | {r['service_time_mean']:.0f} | "
                      f"{r['loaded_tokens'] / 1e6:.0f} / {r['written_tokens'] / 1e6:.0f} |")
@@ -249,10 +255,17 @@ def session_table(rows: list[dict]) -> list[str]:
     if learned:
         lines += ["", "Tool-call holds the session eviction policy learned (device tier, at the end; main agent / "
                   "sub-agents, seconds): " + "; ".join(
-                      f"{r['config']['capacity_tokens'] / 1e6:g}M{' + host' if r['config']['host_ratio'] else ''} "
+                      f"{r['config']['capacity_tokens'] / 1e6:g}M"
+                      f"{' + host' + _write(r['config']) if r['config']['host_ratio'] else ''} "
                       f"at {r['config']['concurrency']:g}: {r['eviction']['learned_hold_main']:.1f} / "
                       f"{r['eviction']['learned_hold_sub']:.1f}" for r in learned) + "."]
     return [*lines, ""]
+
+
+def _write(config: dict) -> str:
+    """A sessions row's write policy where it is not the default ``write_back`` (" (write_through)"), else ""."""
+    write = config.get("write_policy")
+    return f" ({write})" if write not in (None, "write_back") else ""
 
 
 def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
@@ -369,7 +382,7 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
             if c["part"] == "capacity" and c["eviction_policy"] == "lru":
                 label = "lru (capacity grid)"
             elif c["part"] == "sessions":
-                label = c["label"] + (f" + host {c['host_ratio']:g}x" if c["host_ratio"] else "")
+                label = c["label"] + (f" + host {c['host_ratio']:g}x{_write(c)}" if c["host_ratio"] else "")
             else:
                 continue
             lines.setdefault(label, []).append((c["capacity_tokens"] / 1e6, r["ttft_mean"]))

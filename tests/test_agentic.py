@@ -208,6 +208,15 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     assert experiment.main(argv) and len((out / "agentic.jsonl").read_text().splitlines()) == len(rows)  # resumed
     with pytest.raises(ValueError, match="--policies"):
         experiment.main([*argv, "--policies", "nope"])
+    # a second write policy over the host tier: its own rows, marked in the table
+    more = experiment.main([*argv, "--parts", "sessions", "--session-configs", "session",
+                            "--session-write-policies", "write_back,write_through"])
+    more = [r for r in more if r["config"]["part"] == "sessions" and r["config"]["label"] == "session"]
+    assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 2 + \
+        ["write_through"] * 2
+    assert "| 0.001M (write_through) |" in (out / "tables.md").read_text()
+    with pytest.raises(ValueError, match="--session-write-policies"):
+        experiment.main([*argv, "--session-write-policies", "nope"])
 
 
 def test_the_engine_slice_gets_the_hits_the_simulator_predicts(small, tmp_path):
