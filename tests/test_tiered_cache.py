@@ -725,8 +725,9 @@ def test_host_copies_equal_device_copies_under_random_operations(kind, policy):
 @kinds
 @pytest.mark.parametrize("eviction", sorted(POLICIES))
 def test_every_eviction_policy_keeps_the_tiers_consistent(kind, eviction):
-    """Each tier runs the policy (lru's, ttl's and session's tiers nearly exclusive, with demotions and demoted-only evictions; the
-    others' inclusive): no slot lost or held twice, every copy the KV of its prefix, the policies' books intact."""
+    """Each tier runs the policy (lru's, ttl's and session's tiers nearly exclusive, with demotions and
+    demoted-only evictions; the others' inclusive): no slot lost or held twice, every copy the KV of its
+    prefix, the policies' books intact."""
     rng = np.random.default_rng(5)
     rig = Rig(kind, "write_through", device=24, host=24, storage=32, eviction=eviction)
     assert rig.host.exclusive == (eviction in EXCLUSIVE_POLICIES)

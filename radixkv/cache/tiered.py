@@ -18,15 +18,16 @@ Write policies (SGLang's names) decide when device KV is copied down:
   that dropped the copy it made at insert.
 
 Under ``write_through`` and ``write_back`` an *exclusive* tier (``Tier.exclusive``: one replica's own,
-evicting ``lru``, ``ttl`` or ``session``, whose orders put spare copies first) holds little of what the device holds: its copy of a prefix the device holds is
-``demote``d, ranked below everything else, whenever the device gets or keeps that prefix (an insert, an
-admission's device match, a load), and the device's evictions are written down where it dropped the copy.
-``write_through`` copies each insert into its free slots or slots of such spare copies only, never
-displacing a prefix only that tier keeps. A device of C tokens over a host of R x C then keeps about what
-one tier of (1 + R) x C keeps, where SGLang's host tier, which never drops the copy of a prefix the device
-holds, keeps what one tier of R x C does (docs/tiers.md). The other tiers are *inclusive*, as SGLang's: a
-shared store (its copies serve other replicas), a tier under another eviction policy (demotion would fight
-its own order: frequencies, ghosts, classes), and every tier under ``write_through_selective``.
+evicting ``lru``, ``ttl`` or ``session``, whose orders put spare copies first) holds little of what the device
+holds: its copy of a prefix the device holds is ``demote``d, ranked below everything else, whenever the device
+gets or keeps that prefix (an insert, an admission's device match, a load), and the device's evictions are
+written down where it dropped the copy. ``write_through`` copies each insert into its free slots or slots of
+such spare copies only, never displacing a prefix only that tier keeps. A device of C tokens over a host of R
+x C then keeps about what one tier of (1 + R) x C keeps, where SGLang's host tier, which never drops the copy
+of a prefix the device holds, keeps what one tier of R x C does (docs/tiers.md). The other tiers are
+*inclusive*, as SGLang's: a shared store (its copies serve other replicas), a tier under another eviction
+policy (demotion would fight its own order: frequencies, ghosts, classes), and every tier under
+``write_through_selective``.
 
 ``match_prefix`` is the device tier's. ``plan_load`` then says how far the lower tiers extend a match
 (per tier, nearest first, each only where ``worth_loading`` says loading beats recomputing), and locks

@@ -13,10 +13,10 @@ the stop reason with the insert a request makes when it finishes:
   of what comes next) is ranked least recently used.
 
 Victims: copies a nearer tier holds (``demote``d: a lower tier keeps this policy's order and stays nearly
-exclusive of the device, as under ``lru``) and cold entries first, then unheld ones, least recently used first; held entries only when nothing
-else is left, earliest hold end first (holds are soft: a hold never keeps an admission from memory).
-A match does not extend a hold. O(log n) per push and pop; a pop also moves lapsed holds to the unheld heap
-(each once per hold); O(1) per touched entry.
+exclusive of the device, as under ``lru``) and cold entries first, then unheld ones, least recently used
+first; held entries only when nothing else is left, earliest hold end first (holds are soft: a hold never
+keeps an admission from memory). A match does not extend a hold. O(log n) per push and pop; a pop also moves
+lapsed holds to the unheld heap (each once per hold); O(1) per touched entry.
 
 Args:
     hold: seconds a tool-call hold lasts before any pause was observed, > 0 (default 10).
