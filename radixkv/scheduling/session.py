@@ -28,7 +28,7 @@ eviction policy ranks a turn's end first and holds a tool call's).
 
 On the agentic trace (16 sessions, radix page 64, ``llama3-70b-8xh100``) with the ``session`` eviction
 policy, on a 1M-token device it lifts the hit rate from 0.181 to 0.712 and cuts mean TTFT from 777 s to 38 s
-against FCFS with LRU; over a 1M-token host tier, from 0.275 to 0.883 and from 657 s to 7.9 s
+against FCFS with LRU; over a 1M-token host tier, from 0.275 to 0.887 and from 657 s to 7.5 s
 (docs/agentic.md has the tables and the commands).
 
 It needs the session hints (``CacheHints.session``, ``stream``, ``stop``), which the simulator takes from an
