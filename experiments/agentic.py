@@ -390,8 +390,9 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
         for label, pts in sorted(lines.items()):
             pts.sort()
             name = label.split(" + ")[0]  # one colour per configuration; dashed with a host tier
+            style = ":" if "write_through" in label else "--" if "host" in label else "-"  # dotted: write_through
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label, color=colors[name],
-                    ls="--" if "host" in label else "-", lw=2.2 if name.startswith(("lru", "session")) else 1.0)
+                    ls=style, lw=2.2 if name.startswith(("lru", "session")) else 1.0)
         ax.set_yscale("log")
         log_capacity_axis(ax, sorted({c for pts in lines.values() for c, _ in pts}),
                           "device tokens per replica (millions)")
