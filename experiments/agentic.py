@@ -32,6 +32,7 @@ at 2M tokens on one core; the default grid is hundreds of them (hours): pass sub
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -143,15 +144,15 @@ def session_configs(args, base: dict) -> list[dict]:
     host tier under each of ``--session-write-policies`` (``belady`` on the device alone: the reference
     eviction, not a tiered one)."""
     out = []
+    labels = names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs")
     writes = names_from(args.session_write_policies, WRITE_POLICIES, "--session-write-policies")
     for ratio in (float(r) for r in args.session_host_ratios.split(",")):
-        for write in writes if ratio else [None]:
-            for label in names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs"):
-                schedule, policy, params = SESSION_CONFIGS[label]
-                if policy != "belady" or not ratio:
-                    out.append({**base, "part": "sessions", "cache": "radix", "label": label,
-                                "schedule_policy": schedule, "eviction_policy": policy, "eviction_params": params,
-                                "host_ratio": ratio, "write_policy": write})
+        for write, label in itertools.product(writes if ratio else [None], labels):
+            schedule, policy, params = SESSION_CONFIGS[label]
+            if policy != "belady" or not ratio:
+                out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
+                            "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
+                            "write_policy": write})
     return out
 
 
