@@ -46,6 +46,7 @@ from experiments.common import environment, names_from, parser, run_cli, save_fi
 from radixkv.bounds import upper_bound
 from radixkv.cache.eviction import POLICIES as ONLINE
 from radixkv.cache.tiered import WRITE_POLICIES
+from radixkv.cache.tiers import HOST_LAYOUTS
 from radixkv.cost import COST_PRESETS, CostModel
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None):
                    help="part sessions: host tokens per device token (0: the device alone)")
     p.add_argument("--session-write-policies", default="write_back",
                    help=f"part sessions' write policies over a host tier, of {WRITE_POLICIES}")
+    p.add_argument("--session-host-layouts", default=",".join(HOST_LAYOUTS),
+                   help=f"part sessions' host tier layouts, of {HOST_LAYOUTS} (radixkv.cache.segments)")
     p.add_argument("--max-pause", type=float, default=None, help="cap on every recorded pause, seconds")
     p.add_argument("--sessions", type=int, default=None, help="only the first N sessions of the seeded order")
     p.add_argument("--engine", action="store_true",
@@ -141,18 +144,21 @@ def grid(args) -> list[dict]:
 
 def session_configs(args, base: dict) -> list[dict]:
     """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio, over a
-    host tier under each of ``--session-write-policies`` (``belady`` on the device alone: the reference
-    eviction, not a tiered one)."""
+    host tier under each of ``--session-write-policies`` and ``--session-host-layouts`` (``belady`` on the
+    device alone: the reference eviction, not a tiered one). A row names its layout where it is not
+    ``prefix`` (rows from before the layouts keep their keys)."""
     out = []
     labels = names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs")
     writes = names_from(args.session_write_policies, WRITE_POLICIES, "--session-write-policies")
+    layouts = names_from(args.session_host_layouts, HOST_LAYOUTS, "--session-host-layouts")
     for ratio in (float(r) for r in args.session_host_ratios.split(",")):
-        for write, label in itertools.product(writes if ratio else [None], labels):
+        tiers = itertools.product(writes, layouts) if ratio else [(None, "prefix")]
+        for (write, layout), label in itertools.product(tiers, labels):
             schedule, policy, params = SESSION_CONFIGS[label]
             if policy != "belady" or not ratio:
                 out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
                             "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
-                            "write_policy": write})
+                            "write_policy": write, **({"host_layout": layout} if layout != "prefix" else {})})
     return out
 
 
@@ -179,7 +185,8 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
         res = simulate(requests, eviction_policy=config["eviction_policy"], host_capacity_tokens=host,
                        write_policy=config["write_policy"] or "write_through",
                        schedule_policy=config.get("schedule_policy", "fcfs"),
-                       eviction_params=config.get("eviction_params") or {}, **common)
+                       eviction_params=config.get("eviction_params") or {},
+                       host_layout=config.get("host_layout", "prefix"), **common)
         rows = res.per_request
         learned = {"eviction": res.config["eviction"]}  # the session policy's learned holds, for one
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
@@ -264,9 +271,12 @@ def session_table(rows: list[dict]) -> list[str]:
 
 
 def _write(config: dict) -> str:
-    """A sessions row's write policy where it is not the default ``write_back`` (" (write_through)"), else ""."""
+    """A sessions row's host tier where it is not the default, ``write_back`` over a ``prefix`` layout:
+    " (write_through)", " (segments)", " (write_through, segments)", else ""."""
     write = config.get("write_policy")
-    return f" ({write})" if write not in (None, "write_back") else ""
+    tags = [write] if write not in (None, "write_back") else []
+    tags += [config["host_layout"]] if config.get("host_layout", "prefix") != "prefix" else []
+    return f" ({', '.join(tags)})" if tags else ""
 
 
 def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
@@ -341,7 +351,7 @@ def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
     paths = []
     for metric, label, name in (("hit_rate", "hit rate", "hit_rate_vs_capacity"),
                                 ("ttft_mean", "mean TTFT (s)", "ttft_vs_capacity")):
-        fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(concs), figsize=(8 * len(concs), 4.5), squeeze=False)
         for ax, conc in zip(axes[0], concs, strict=True):
             sel = [r for r in cap_rows if r["config"]["concurrency"] == conc and r["config"]["cost_preset"] == preset]
             caps = sorted({r["config"]["capacity_tokens"] for r in sel})
@@ -373,8 +383,8 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
         return []
     preset = sel[0]["config"]["cost_preset"]
     concs = sorted({r["config"]["concurrency"] for r in sel})
-    fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
-    for ax, conc in zip(axes[0], concs, strict=True):
+    fig, axes = plt.subplots(len(concs), 1, figsize=(9, 4.5 * len(concs)), squeeze=False)  # stacked: legends beside
+    for ax, conc in zip(axes[:, 0], concs, strict=True):
         lines: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
             c = r["config"]
@@ -391,7 +401,9 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
         for label, pts in sorted(lines.items()):
             pts.sort()
             name = label.split(" + ")[0]  # one colour per configuration; dashed with a host tier
-            style = ":" if "write_through" in label else "--" if "host" in label else "-"  # dotted: write_through
+            # dotted: write_through; dash-dotted: segments
+            style = ":" if "write_through" in label else "-." if "segments" in label else "--" if "host" in label \
+                else "-"
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label, color=colors[name],
                     ls=style, lw=2.2 if name.startswith(("lru", "session")) else 1.0)
         ax.set_yscale("log")
@@ -399,7 +411,7 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
                           "device tokens per replica (millions)")
         ax.set_ylabel("mean TTFT (s)")
         ax.set_title(f"sessions: {conc:g} active, {preset}")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the plot: many rows
     return [save_figure(fig, out / "sessions_ttft_vs_capacity")]
 
 

@@ -25,11 +25,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixkv import HashBlockCache, RadixCache, SlotAllocator
-from radixkv.cache.base import LockError, as_token_array
+from radixkv.cache.base import NO_HINTS, LockError, as_token_array
 from radixkv.cache.events import BlockStored
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
+from radixkv.cache.segments import Segment, SegmentTier
+from radixkv.cache.segments import prefix_digest as segment_digest
 from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
 from radixkv.sim import CostModel, simulate, simulate_cluster
 from radixkv.workloads import Request, make
@@ -95,12 +97,14 @@ class Rig:
     computed and inserted, per namespace."""
 
     def __init__(self, kind: str, policy: str = "write_through", *, device: int = 32, host: int = 24,
-                 storage: int = 0, threshold: int = 2, worth_loading: Any = None, eviction: str = "lru"):
+                 storage: int = 0, threshold: int = 2, worth_loading: Any = None, eviction: str = "lru",
+                 layout: str = "prefix"):
         self.kind, self.policy, self.ps = kind, policy, KINDS[kind][1]
         sizes = {"device": device, "host": host, "storage": storage}
         self.kv = {name: np.full(max(n, 1), POISON, dtype=np.int64) for name, n in sizes.items()}
         self.alloc = KVAllocator(device, self.ps, self.kv["device"])
-        tiers = [Tier(name, make_cache(kind, eviction), KVAllocator(sizes[name], self.ps, self.kv[name]))
+        kind_of_tier = SegmentTier if layout == "segments" else Tier
+        tiers = [kind_of_tier(name, make_cache(kind, eviction), KVAllocator(sizes[name], self.ps, self.kv[name]))
                  for name in ("host", "storage") if sizes[name]]
         self.cache = TieredCache(make_cache(kind, eviction), tiers, policy, threshold, worth_loading, self.move)
         self.device = self.cache.device
@@ -182,8 +186,8 @@ class Rig:
         assert plan.match is m and sum(by_tier.values()) == m.length + plan.length
         assert plan.length % self.ps == 0 and m.length + plan.length <= len(tokens)
         for tier, tm, start, stop in plan.parts:  # what the plan reads is locked and holds its KV
-            assert tier.cache.protected_size >= stop and stop > start
-            self.check_content(tier.name, namespace, tokens, tm.indices)
+            assert tier.cache.protected_size >= stop - own_start(tm) and stop > start
+            self.check_content(tier.name, namespace, tokens, tm.indices, own_start(tm))
         if not plan.length:
             return m, by_tier
         if cancel or not self.make_room(plan.length):
@@ -204,11 +208,30 @@ class Rig:
         self.alloc.retain(self.cache.held_slots())
 
     # ------------------------------------------------------------ checks
-    def check_content(self, name: str, namespace: Any, tokens: np.ndarray, indices: np.ndarray) -> None:
-        """The slots of a match hold the KV of the prefix they were matched for."""
-        got = self.kv[name][np.asarray(indices, dtype=np.int64)]
-        np.testing.assert_array_equal(got, fingerprints(namespace, tokens[: len(indices)]),
+    def check_content(self, name: str, namespace: Any, tokens: np.ndarray, indices: np.ndarray,
+                      start: int = 0) -> None:
+        """The slots of a match (from ``start``: a segment's) hold the KV of the prefix they were matched for."""
+        got = self.kv[name][np.asarray(indices[start:], dtype=np.int64)]
+        np.testing.assert_array_equal(got, fingerprints(namespace, tokens[: len(indices)])[start:],
                                       err_msg=f"{name} slots hold the wrong KV")
+
+    def segments(self, tier: Tier) -> list[tuple[Any, Any, tuple, int]]:
+        """A ``SegmentTier``'s segments: (its namespace, the original one, the prefix before it from the
+        history of computed sequences, that prefix's fingerprint state)."""
+        out = []
+        for ns, starts in getattr(tier, "_starts", {}).items():
+            for p, digests in starts.items():
+                for d in digests:
+                    key = Segment(ns, p, d)
+                    if tier.cache.root_of(key) is None:
+                        continue
+                    prefix = next(tuple(t[:p].tolist()) for (n, _), t in self.history.items()
+                                  if n == ns and len(t) >= p and segment_digest(t[:p]) == d)
+                    h = zlib.crc32(repr(ns).encode()) + 1
+                    for tok in prefix:
+                        h = _step(h, tok)
+                    out.append((key, ns, prefix, h))
+        return out
 
     def check(self, locked: int = 0) -> None:
         """Every invariant at rest: each cache's own, no slot lost or held twice in any tier (``locked``
@@ -225,9 +248,9 @@ class Rig:
             assert t.cache.protected_size == 0, f"{t.name} still locked"
         for name, cache in [("device", self.device)] + [(t.name, t.cache) for t in c.tiers]:
             count = 0
-            for ns in NAMESPACES:
-                h0 = zlib.crc32(repr(ns).encode()) + 1
-                for prefix, slot, fp in walk(cache.to_dict(ns), (), h0):
+            roots = [(ns, ns, (), zlib.crc32(repr(ns).encode()) + 1) for ns in NAMESPACES]
+            for key, ns, p0, h0 in roots + (self.segments(self.tier(name)) if name != "device" else []):
+                for prefix, slot, fp in walk(cache.to_dict(key), p0, h0):
                     count += 1
                     assert self.kv[name][slot] == fp, f"{name} slot {slot} of {ns!r} {prefix} holds the wrong KV"
                     if len(prefix) % self.ps == 0:
@@ -241,10 +264,16 @@ class Rig:
             dm = self.device.match_prefix(tokens, ns)
             self.check_content("device", ns, tokens, dm.indices)
             for t in self.cache.tiers:
-                tm = t.cache.match_prefix(tokens, ns)
-                n = min(dm.length, tm.length)
-                np.testing.assert_array_equal(self.kv["device"][dm.indices[:n]], self.kv[t.name][tm.indices[:n]])
-                self.check_content(t.name, ns, tokens, tm.indices)
+                for tm in t.find(tokens, ns, NO_HINTS, 0, 0):
+                    a, n = own_start(tm), min(dm.length, tm.length)
+                    np.testing.assert_array_equal(self.kv["device"][dm.indices[a:n]],
+                                                  self.kv[t.name][tm.indices[a:n]])
+                    self.check_content(t.name, ns, tokens, tm.indices, a)
+
+
+def own_start(match: Any) -> int:
+    """Where a lower tier's match starts holding slots: 0, or a segment's start (its indices before are -1)."""
+    return int(np.argmax(match.indices >= 0)) if len(match.indices) else 0
 
 
 def write_down(rig: Rig, tokens: Any, namespace: Any = None) -> None:
@@ -273,6 +302,9 @@ def copied(rig: Rig, src: str, dst: str) -> list[Copy]:
 
 kinds = pytest.mark.parametrize("kind", list(KINDS))
 policies = pytest.mark.parametrize("policy", WRITE_POLICIES)
+# every cache kind in the prefix layout, and the radix ones in segments (``SegmentTier``)
+layouts = pytest.mark.parametrize("kind, layout", [(k, "prefix") for k in KINDS] +
+                                  [(k, "segments") for k in KINDS if KINDS[k][0] == "radix"])
 
 
 # ==================================================================== construction
@@ -443,6 +475,62 @@ def test_the_host_drops_copies_the_device_holds_first(kind, policy, eviction):
     assert rig.host.cache.match_prefix(c).length == 0 and rig.device.match_prefix(c).length == 8
     rig.check()
     rig.check_host_equals_device()
+
+
+radix_kinds = pytest.mark.parametrize("kind", [k for k in KINDS if KINDS[k][0] == "radix"])
+
+
+@radix_kinds
+def test_segments_keep_the_tail_the_device_dropped_not_its_prefix(kind):
+    """Under write_back the device drops a tail whose prefix it keeps: a segment tier of 8 takes the tail and
+    a load reads it after the device's match; a prefix tier of 8 spends itself on the prefix instead."""
+    a = np.arange(8)
+    longer = np.concatenate([a, np.full(8, 50)])
+    for layout, host_has in (("segments", 8), ("prefix", 0)):
+        rig = Rig(kind, "write_back", device=16, host=8, layout=layout)
+        assert rig.put(a) and rig.put(longer)
+        rig.evict(8)  # the leaf, longer's tail
+        assert rig.device.match_prefix(longer).length == 8
+        m, by_tier = rig.match_and_load(longer)
+        assert by_tier == {"device": 8, **({"host": host_has} if host_has else {})}, layout
+        rig.cache.unlock(m.node)
+        rig.check()
+
+
+@radix_kinds
+def test_a_segment_write_makes_nodes_of_at_most_node_tokens(kind):
+    """A context written whole lands in nodes of node_tokens, so making room frees no more than a node over."""
+    ps = KINDS[kind][1]
+    host = SegmentTier("host", make_cache(kind), SlotAllocator(16, ps), node_tokens=4)
+    cache = TieredCache(make_cache(kind), [host], "write_back")
+    toks = np.arange(16)
+    cache.insert(toks, np.arange(16))
+    cache.evict(16)
+    assert host.cache.total_size == 16 and host.cache.num_nodes == 4
+    freed = host.cache.evict(1)
+    host.allocator.free(freed)
+    assert len(freed) == 4  # the last node, not the whole context
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("node_tokens", [0, 6, 2.0, True])
+def test_a_segment_tier_rejects_what_it_cannot_run(node_tokens):
+    with pytest.raises(ValueError, match="node_tokens"):
+        SegmentTier("host", RadixCache(page_size=4), SlotAllocator(16, 4), node_tokens=node_tokens)
+    with pytest.raises(ValueError, match="radix"):
+        SegmentTier("host", HashBlockCache(block_size=4), SlotAllocator(16, 4))
+
+
+@kinds
+def test_held_length_touches_nothing(kind):
+    cache = make_cache(kind)
+    ps = KINDS[kind][1]
+    cache.insert(np.arange(8), np.arange(8))
+    before = (cache.stats(), cache.to_dict())
+    assert cache.held_length(np.concatenate([np.arange(8), [9] * 8])) == 8
+    assert cache.held_length(np.arange(6)) == 6 - 6 % ps
+    assert cache.held_length(np.arange(8), "other") == 0
+    assert (cache.stats(), cache.to_dict()) == before
 
 
 @kinds
@@ -694,11 +782,12 @@ def draw(rng: np.random.Generator, stems: list[np.ndarray]) -> tuple[Any, np.nda
     return ns, np.concatenate([stem[:cut], tail]).astype(np.int64)
 
 
-@kinds
+@layouts
 @policies
-def test_host_copies_equal_device_copies_under_random_operations(kind, policy):
+def test_host_copies_equal_device_copies_under_random_operations(kind, layout, policy):
     rng = np.random.default_rng(11)
-    rig = Rig(kind, policy, device=32, host=24, storage=48, threshold=1)  # selective: write at a first reuse
+    # selective: write at a first reuse
+    rig = Rig(kind, policy, device=32, host=24, storage=48, threshold=1, layout=layout)
     stems = [rng.integers(0, 40, size=n) for n in (4, 8, 9, 12)]
     held: list = []
     for _ in range(120):
@@ -722,14 +811,14 @@ def test_host_copies_equal_device_copies_under_random_operations(kind, policy):
     assert all(rig.cache.written_tokens.values()) and rig.cache.loaded_tokens["host"]  # every tier written
 
 
-@kinds
+@layouts
 @pytest.mark.parametrize("eviction", sorted(POLICIES))
-def test_every_eviction_policy_keeps_the_tiers_consistent(kind, eviction):
+def test_every_eviction_policy_keeps_the_tiers_consistent(kind, layout, eviction):
     """Each tier runs the policy (lru's, ttl's and session's tiers nearly exclusive, with demotions and
     demoted-only evictions; the others' inclusive): no slot lost or held twice, every copy the KV of its
     prefix, the policies' books intact."""
     rng = np.random.default_rng(5)
-    rig = Rig(kind, "write_through", device=24, host=24, storage=32, eviction=eviction)
+    rig = Rig(kind, "write_through", device=24, host=24, storage=32, eviction=eviction, layout=layout)
     assert rig.host.exclusive == (eviction in EXCLUSIVE_POLICIES)
     stems = [rng.integers(0, 40, size=n) for n in (4, 8, 9, 12)]
     for _ in range(90):
@@ -768,11 +857,11 @@ def script(rig: Rig) -> None:
     rig.evict(10**6)
 
 
-@kinds
+@layouts
 @policies
-def test_a_failed_copy_leaves_every_tier_consistent(kind, policy):
+def test_a_failed_copy_leaves_every_tier_consistent(kind, layout, policy):
     def fresh() -> Rig:
-        return Rig(kind, policy, device=32, host=16, storage=40)
+        return Rig(kind, policy, device=32, host=16, storage=40, layout=layout)
 
     clean = fresh()
     script(clean)
@@ -964,6 +1053,20 @@ def test_simulate_splits_the_hit_rate_by_tier(cache, policy):
     assert tiered.summary()["hit_rate_by_tier"] == by_tier
     for row in tiered.per_request:
         assert sum(row["hit_by_tier"].values()) == row["hit"]
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_simulate_over_a_segment_tier(policy):
+    """``host_layout="segments"`` builds SegmentTiers; the hits split by tier as over a prefix tier."""
+    reqs = chats()
+    tiered = simulate(reqs, cache="radix", capacity_tokens=200, page_size=4, host_capacity_tokens=3000,
+                      write_policy=policy, write_threshold=1, host_layout="segments")
+    assert tiered.hit_rate_by_tier.get("host", 0) > 0
+    assert sum(tiered.hit_rate_by_tier.values()) == pytest.approx(tiered.hit_rate)
+    with pytest.raises(ValueError, match="host_layout"):
+        simulate(reqs, cache="radix", capacity_tokens=200, host_capacity_tokens=3000, host_layout="rows")
+    with pytest.raises(ValueError, match="segments works below the radix cache"):
+        simulate(reqs, cache="hash", capacity_tokens=200, host_capacity_tokens=3000, host_layout="segments")
 
 
 def _evict_then_return() -> list[Request]:

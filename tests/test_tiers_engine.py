@@ -34,11 +34,13 @@ def serve(**settings) -> tuple[list, dict, LLM]:
 
 
 @pytest.mark.parametrize("cache, geometry", [("radix", {"page_size": 1}), ("radix", {"page_size": 16}),
-                                             ("hash", {"block_size": 16})])
+                                             ("hash", {"block_size": 16}),
+                                             ("radix", {"page_size": 16, "host_layout": "segments"})])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_greedy_outputs_equal_one_big_pool(cache, geometry, policy):
     small, stats, llm = serve(prefix_cache=cache, kv_cache_tokens=384, host_kv_cache_tokens=4096,
                               write_policy=policy, write_threshold=1, **geometry)
+    geometry = {k: v for k, v in geometry.items() if k != "host_layout"}  # the big pool has no host tier
     big, big_stats, _ = serve(prefix_cache=cache, kv_cache_tokens=384 + 4096, **geometry)
     assert small == big
     by_tier = stats["hit_tokens_by_tier"]

@@ -91,6 +91,7 @@ class PrefixCache(Protocol):
     ``page_size``: the slots of one KV page, the granularity of matches and of the caller's allocator.
     ``evict(n, victims, demoted_only)`` also records each removed entry (``Evicted``) and can stop at the
     first entry that was not ``demote``d (ranked first: a lower tier's copy of what a nearer tier holds).
+    ``held_length`` says how much of a prefix the cache holds and touches nothing (no recency, hit or statistic).
 
     Every cache is one with zero or more lower tiers (:mod:`radixkv.cache.tiers`): ``tiers``, ``plan_load`` /
     ``load`` / ``cancel`` (extend a device match from them), ``admitted`` (a request reused a match, for
@@ -123,6 +124,8 @@ class PrefixCache(Protocol):
               ) -> np.ndarray: ...
 
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int: ...
+
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int: ...
 
     def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
                   hints: CacheHints = NO_HINTS) -> Any: ...

@@ -138,6 +138,16 @@ class HashBlockCache(BlockBooks, Untiered):
         """The chained key of every full block of ``tokens`` (memoized as ``match_prefix``'s). O(blocks)."""
         return self._keys.keys(tokens, namespace)
 
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """How many leading tokens of ``tokens`` (whole blocks) the cache holds, touching nothing (no recency,
+        hit count or statistic). O(blocks) hashes, fewer when an earlier call hashed the same prefix."""
+        n = 0
+        for key in self.block_keys(tokens, namespace):
+            if key not in self._blocks:
+                break
+            n += 1
+        return n * self.block_size
+
     # ------------------------------------------------------------- public
     def match_prefix(self, tokens: TokenSeq, namespace: Hashable = None, hints: CacheHints = NO_HINTS) -> MatchResult:
         """Walk the block keys from the start; stop at the first miss. Hit blocks get their recency and hit

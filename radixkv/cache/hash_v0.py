@@ -272,6 +272,14 @@ class HashV0Cache(BlockBooks, Untiered):
         self._clock += 1
         self._touch(blocks)
 
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """Leading tokens (whole blocks) the table holds, touching nothing. O(L x (held blocks + 1))."""
+        toks, n = as_token_array(tokens).tolist(), 0
+        blocks = len(toks) // self.block_size
+        while n < blocks and (self.hash_of_block(toks, n, namespace)[0], namespace) in self._blocks:
+            n += 1
+        return n * self.block_size
+
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
         """v0's evictor has no demotion: nothing moves (0 tokens)."""
         return 0

@@ -62,6 +62,9 @@ class NoPrefixCache(CacheBooks, Untiered):
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
         return 0
 
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        return 0
+
     def held_slots(self) -> np.ndarray:
         return _EMPTY.copy()
 

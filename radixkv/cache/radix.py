@@ -343,6 +343,20 @@ class RadixCache(CacheBooks, Untiered):
         if leaf.lock_count == 0 and not leaf.children:
             self.policy.push(leaf)
 
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """How many leading tokens of ``tokens`` (whole pages) the tree holds, touching nothing: no recency,
+        hit count, statistic or split (a tiered cache asks where a prefix it writes down starts). O(n) memcmp
+        work + O(d)."""
+        _, query = self._key_of(tokens)
+        node = self._root_for(namespace, create=False)
+        off, pb = 0, self._page_bytes
+        while node is not None and (child := node.children.get(query[off : off + pb])) is not None:
+            if not query.startswith(child.key, off):
+                return (off + self._common_bytes(child.key, query, off)) // _ITEM
+            off += len(child.key)
+            node = child
+        return off // _ITEM
+
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
         """Rank the nodes wholly within the cached prefix of ``tokens`` as the least recently used of all
         (``last_access`` below zero, the latest demotion lowest): a lower tier's copies of what a nearer tier

@@ -14,8 +14,9 @@ Write policies (SGLang's names) decide when device KV is copied down:
   scheduler calls once per request, at its first admission, against the device match's last entry: reuses,
   not lookups, and never a retry of a request that waited for memory); 1 is ``write_through``;
 * ``write_back``: when the device tier evicts it (the whole prefix through the entry, ancestors the device
-  still holds included: a lower tier is a prefix tree too); ``write_through`` too, into an exclusive tier
-  that dropped the copy it made at insert.
+  still holds included: a lower tier is a prefix tree too; a ``SegmentTier``, ``radixkv.cache.segments``,
+  takes it from where the device's held prefix ends); ``write_through`` too, into an exclusive tier that
+  dropped the copy it made at insert.
 
 Under ``write_through`` and ``write_back`` an *exclusive* tier (``Tier.exclusive``: one replica's own,
 evicting ``lru``, ``ttl`` or ``session``, whose orders put spare copies first) holds little of what the device
@@ -65,6 +66,8 @@ class Tier:
     whether a tiered cache keeps it nearly exclusive of the device (one replica's own tier under a policy that
     ``keeps_order_under_demotion``; see the module doc)."""
 
+    layout = "prefix"  # one prefix tree (``HOST_LAYOUTS``)
+
     def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
                  buffer: Any = None):
         if allocator.page_size != cache.page_size:
@@ -74,13 +77,33 @@ class Tier:
         self.buffer, self.medium = buffer, MEDIUM.get(name, name.upper())
         self.exclusive = not shared and getattr(getattr(cache, "policy", None), "keeps_order_under_demotion", False)
 
-    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def writes_from(self, start: int) -> int:
+        """Where a write of a prefix the device holds up to ``start`` begins in this tier: 0, a prefix tree
+        keeps the whole prefix (``SegmentTier``: ``start``)."""
+        return 0
+
+    def find(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints, start: int, held: int
+             ) -> list[MatchResult]:
+        """The matches of ``tokens`` this tier extends past ``start`` by, in order (one here: the tree's longest
+        match), each in the prompt's coordinates; its copy of the ``held`` leading tokens (the device's) is
+        demoted first when ``held``. O(tokens)."""
+        m = self.cache.match_prefix(tokens, namespace, hints)
+        if held:
+            self.cache.demote(tokens[:held], namespace)
+        return [m] if m.length > start else []
+
+    def demote(self, tokens: np.ndarray, namespace: Hashable) -> None:
+        """Rank this tier's copy of ``tokens``, which the device holds, below everything else. O(tokens)."""
+        self.cache.demote(tokens, namespace)
+
+    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True,
+              start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Make room for the whole pages of ``tokens`` this tier lacks, evicting its own entries (with
         ``displace`` False, only demoted ones): ``(held, fresh)``, the slots of the leading tokens it holds
         (refreshed) and fresh slots for as many further whole pages as fit (none when it holds them all).
         The caller copies, then ``keep``s them. ``hints``: the writing request's (none for a write-back), for
-        the tier's eviction policy. O(tokens) + the eviction."""
+        the tier's eviction policy. ``start``: where the write begins (``writes_from``: 0 in a prefix tree,
+        which this class is; ``SegmentTier`` answers from there on). O(tokens) + the eviction."""
         n = self.cache.cacheable_length(len(tokens))
         m = self.cache.match_prefix(tokens[:n], namespace, hints)
         if m.length >= n:
@@ -100,12 +123,13 @@ class Tier:
             self.cache.unlock(m.node)
 
     def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable,
-             hints: CacheHints = NO_HINTS) -> None:
+             hints: CacheHints = NO_HINTS, start: int = 0) -> None:
         """Insert the leading tokens ``store`` answered for: those at ``held`` and then those at ``fresh``
-        (their KV copied); what the cache already had (nothing, unless another writer came first) is freed."""
-        start = len(held)
-        already = self.cache.insert(tokens[: start + len(fresh)], np.concatenate([held, fresh]), namespace, hints)
-        self.allocator.free(fresh[: max(already - start, 0)])
+        (their KV copied); what the cache already had (nothing, unless another writer came first) is freed.
+        ``start``: as ``store``'s."""
+        n = len(held)
+        already = self.cache.insert(tokens[: n + len(fresh)], np.concatenate([held, fresh]), namespace, hints)
+        self.allocator.free(fresh[: max(already - n, 0)])
 
     def check_invariants(self) -> None:
         """The tier's cache and allocator hold, and every slot is either free or the cache's, once."""
@@ -229,13 +253,17 @@ class TieredCache:
         for v in mine:
             if last is not None and _within(v, last):  # a chain leaves tail first: its prefix was just written
                 continue
-            self._write(v.tokens, v.slots, v.namespace, back=True)
+            self._write(v.tokens, v.slots, v.namespace, back=True, start=self._held(v))
             last = v
         return freed
 
     def demote(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
         """The device tier's ``demote`` (a tiered cache below another one)."""
         return self.device.demote(tokens, namespace)
+
+    def held_length(self, tokens: TokenSeq, namespace: Hashable = None) -> int:
+        """The device tier's ``held_length``."""
+        return self.device.held_length(tokens, namespace)
 
     # ------------------------------------------------------------------ loads
     def plan_load(self, tokens: TokenSeq, match: MatchResult, namespace: Hashable = None,
@@ -248,15 +276,13 @@ class TieredCache:
         plan = LoadPlan(arr, namespace, match)
         start = match.length
         for tier in self.tiers:
-            m = tier.cache.match_prefix(arr, namespace, hints)
-            self._demote(arr[: match.length], namespace, [tier])  # the device holds that much
-            if m.length <= start:
-                continue
-            if self.worth_loading is not None and not self.worth_loading(tier.name, m.length - start, start):
-                break
-            tier.cache.lock(m.node)
-            plan.parts.append(Part(tier, m, start, m.length))
-            start = m.length
+            held = match.length if self.write_policy in EXCLUSIVE and tier.exclusive else 0  # to demote
+            for m in tier.find(arr, namespace, hints, start, held):
+                if self.worth_loading is not None and not self.worth_loading(tier.name, m.length - start, start):
+                    return plan
+                tier.cache.lock(m.node)
+                plan.parts.append(Part(tier, m, start, m.length))
+                start = m.length
         return plan
 
     def cancel(self, plan: LoadPlan) -> None:
@@ -307,8 +333,14 @@ class TieredCache:
             self._uses = {e: n for e, n in self._uses.items() if _attached(e)}
 
     # ------------------------------------------------------------------ writes
+    def _held(self, victim: Evicted) -> int:
+        """How much of an evicted entry's prefix the device still holds, where a tier writes from there on."""
+        if any(t.writes_from(1) for t in self.tiers):
+            return self.device.held_length(victim.tokens, victim.namespace)
+        return 0
+
     def _write(self, tokens: np.ndarray, slots: np.ndarray, namespace: Hashable,
-               hints: CacheHints = NO_HINTS, displace: bool = True, back: bool = False) -> None:
+               hints: CacheHints = NO_HINTS, displace: bool = True, back: bool = False, start: int = 0) -> None:
         """Copy the whole pages of ``tokens`` (device KV at ``slots``) into every lower tier lacking them; the
         tiers' caches get the writing request's ``hints`` (none for a write-back). ``displace``: see
         ``Tier.store`` (an inclusive tier demotes nothing, so it always may). ``back``: a device eviction's,
@@ -316,10 +348,12 @@ class TieredCache:
         for tier in self.tiers:
             if back and self.write_policy == "write_through" and not tier.exclusive:
                 continue
-            held, fresh = tier.store(tokens, namespace, hints, displace or not tier.exclusive)
+            first = tier.writes_from(start)
+            held, fresh = tier.store(tokens, namespace, hints, displace or not tier.exclusive, first)
             if len(fresh):
-                self._copy(Copy(DEVICE, tier.name, slots[len(held) : len(held) + len(fresh)], fresh))
-                tier.keep(tokens, held, fresh, namespace, hints)
+                skip = first + len(held)
+                self._copy(Copy(DEVICE, tier.name, slots[skip : skip + len(fresh)], fresh))
+                tier.keep(tokens, held, fresh, namespace, hints, first)
                 self.written_tokens[tier.name] += len(fresh)
 
     def _demote(self, tokens: np.ndarray, namespace: Hashable, tiers: Sequence[Tier] | None = None) -> None:
@@ -328,7 +362,7 @@ class TieredCache:
         if self.write_policy in EXCLUSIVE and len(tokens):
             for tier in self.tiers if tiers is None else tiers:
                 if tier.exclusive:
-                    tier.cache.demote(tokens, namespace)
+                    tier.demote(tokens, namespace)
 
     def _copy(self, copy: Copy) -> None:
         if self.mover is not None:

@@ -18,6 +18,8 @@ from radixkv.memory import SlotAllocator
 DEVICE, HOST, STORAGE = "device", "host", "storage"
 REPORTED = (DEVICE, HOST)  # the tiers every hit report lists, present or not (tables and dashboards keep columns)
 MEDIUM = {DEVICE: "GPU", HOST: "CPU", STORAGE: "STORAGE"}  # vLLM's KV event ``medium`` per tier
+# how a lower tier keeps what it gets: one prefix tree (``Tier``), or segments below the prefix the device holds
+HOST_LAYOUTS = ("prefix", "segments")  # (``radixkv.cache.segments.SegmentTier``)
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,11 @@ class LoadPlan:
         return self.parts[-1].stop - self.match.length if self.parts else 0
 
     def by_tier(self) -> dict[str, int]:
-        """Hit tokens per tier: the device's match, then what each lower tier supplies."""
-        return {DEVICE: self.match.length, **{p.tier.name: p.stop - p.start for p in self.parts}}
+        """Hit tokens per tier: the device's match, then what each lower tier supplies (in one part or more)."""
+        out = {DEVICE: self.match.length}
+        for p in self.parts:
+            out[p.tier.name] = out.get(p.tier.name, 0) + p.stop - p.start
+        return out
 
 
 class Untiered:
