@@ -193,8 +193,11 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
             "--replicas", "2", "--write-policies", "write_back"]
     rows = experiment.main(argv)
     # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eight
-    # configurations on the device alone, six over a host tier (belady and oracle: the device alone); per capacity
-    assert len(rows) == 2 * (3 + 1 + 3 + 14)
+    # configurations on the device alone, six over a host tier in each layout (belady and oracle: the device
+    # alone); per capacity
+    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 6 + 6)
+    segments = [r for r in rows if r["config"].get("host_layout") == "segments"]
+    assert len(segments) == 12 and all(r["config"]["host_ratio"] for r in segments)
     learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
     assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")
@@ -203,6 +206,7 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     text = (out / "tables.md").read_text()
     assert "Upper bound" in text and "Capacity cliff" in text and "| lru | belady |" in text
     assert "### sessions" in text and "Tool-call holds the session eviction policy learned" in text
+    assert "| 0.001M (segments) |" in text
     assert (out / "config.json").is_file() and (out / "hit_rate_vs_capacity.png").is_file()
     assert (out / "sessions_ttft_vs_capacity.png").is_file()
     assert experiment.main(argv) and len((out / "agentic.jsonl").read_text().splitlines()) == len(rows)  # resumed
@@ -212,11 +216,14 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     more = experiment.main([*argv, "--parts", "sessions", "--session-configs", "session",
                             "--session-write-policies", "write_back,write_through"])
     more = [r for r in more if r["config"]["part"] == "sessions" and r["config"]["label"] == "session"]
-    assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 2 + \
-        ["write_through"] * 2
+    assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 4 + \
+        ["write_through"] * 4  # per capacity: the device alone, then each write policy in each layout
     assert "| 0.001M (write_through) |" in (out / "tables.md").read_text()
+    assert "| 0.001M (write_through, segments) |" in (out / "tables.md").read_text()
     with pytest.raises(ValueError, match="--session-write-policies"):
         experiment.main([*argv, "--session-write-policies", "nope"])
+    with pytest.raises(ValueError, match="--session-host-layouts"):
+        experiment.main([*argv, "--session-host-layouts", "rows"])
 
 
 def test_the_engine_slice_gets_the_hits_the_simulator_predicts(small, tmp_path):
