@@ -351,7 +351,7 @@ def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
     paths = []
     for metric, label, name in (("hit_rate", "hit rate", "hit_rate_vs_capacity"),
                                 ("ttft_mean", "mean TTFT (s)", "ttft_vs_capacity")):
-        fig, axes = plt.subplots(1, len(concs), figsize=(8 * len(concs), 4.5), squeeze=False)
+        fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
         for ax, conc in zip(axes[0], concs, strict=True):
             sel = [r for r in cap_rows if r["config"]["concurrency"] == conc and r["config"]["cost_preset"] == preset]
             caps = sorted({r["config"]["capacity_tokens"] for r in sel})

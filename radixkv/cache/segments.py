@@ -51,8 +51,6 @@ class SegmentTier(Tier):
     would leave that much of the tier empty until the next writes fill it. Writes cost O(tokens /
     node_tokens) inserts; lookups O(prompt tokens) hashing plus a match per segment met."""
 
-    layout = "segments"
-
     def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
                  buffer: Any = None, node_tokens: int = 1024):
         super().__init__(name, cache, allocator, shared, buffer)
@@ -133,13 +131,8 @@ class SegmentTier(Tier):
         """The namespace's own match, then each segment that extends the cover, in order (indices before a
         segment's start are -1: the tier holds none of them); copies of the ``held`` leading tokens are demoted.
         O(tokens) hashing plus a match per segment met."""
-        matches, cover = [], start
-        m = self.cache.match_prefix(tokens, namespace, hints)
-        if held:
-            self.cache.demote(tokens[:held], namespace)
-        if m.length > cover:
-            matches.append(m)
-            cover = m.length
+        matches = super().find(tokens, namespace, hints, start, held)  # the namespace's own, whole prefixes
+        cover = matches[-1].length if matches else start
         for p, key in self._segments(tokens, namespace):
             if p > max(cover, held):  # nothing reaches it: the prompt's cover ends before
                 break

@@ -66,8 +66,6 @@ class Tier:
     whether a tiered cache keeps it nearly exclusive of the device (one replica's own tier under a policy that
     ``keeps_order_under_demotion``; see the module doc)."""
 
-    layout = "prefix"  # one prefix tree (``HOST_LAYOUTS``)
-
     def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
                  buffer: Any = None):
         if allocator.page_size != cache.page_size:
