@@ -29,7 +29,7 @@ from radixkv.cache.eviction import make_policy as make_policy_named
 from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
-from radixkv.cache.segments import SegmentTier
+from radixkv.cache.segments import ChainTier, SegmentTier
 from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
 from radixkv.cache.tiers import HOST_LAYOUTS, TierSpec, lower_tiers
 from radixkv.memory import SlotAllocator
@@ -91,8 +91,9 @@ class StackConfig:
     write_threshold: int = setting(2, "hits before write_through_selective copies an entry to the host tier",
                                    minimum=1)
     host_layout: str = setting("prefix", "how each lower tier but a shared store keeps what it gets: whole prefixes "
-                                         "(one prefix tree) or segments below the prefix the device still holds "
-                                         "(radix only)", choices=HOST_LAYOUTS)
+                                         "(one prefix tree), segments below the prefix the device still holds, or "
+                                         "such segments written as one chain per context (radix only)",
+                               choices=HOST_LAYOUTS)
 
     def __post_init__(self) -> None:
         for message in self.problems():
@@ -106,8 +107,8 @@ class StackConfig:
             return wrong
         if self.tiered and self.prefix_cache not in TIERED_CACHES:
             wrong.append(f"host and storage tiers work with the caches {TIERED_CACHES}")
-        if self.tiered and self.host_layout == "segments" and self.prefix_cache != "radix":
-            wrong.append("host_layout segments works below the radix cache")
+        if self.tiered and self.host_layout != "prefix" and self.prefix_cache != "radix":
+            wrong.append(f"host_layout {self.host_layout} works below the radix cache")
         if self.tiered and needs_future(self.eviction_policy):
             wrong.append("tiers take an online eviction_policy (one that needs no future)")
         try:  # what ``make_policy`` says of the eviction policy's parameters
@@ -201,7 +202,7 @@ def lower_tier(config: StackConfig, spec: TierSpec, memory: Any = None) -> Tier:
     policy (a policy of its own) over ``spec.tokens`` slots, and with ``memory`` (the engine's) its KV buffer."""
     cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
                        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params)
-    kind = SegmentTier if config.host_layout == "segments" and not spec.shared else Tier
+    kind = {"segments": SegmentTier, "chains": ChainTier}.get(config.host_layout, Tier) if not spec.shared else Tier
     return kind(spec.name, cache, SlotAllocator(spec.tokens, page_size=cache.page_size), spec.shared,
                 None if memory is None else memory.buffer(spec))
 

@@ -193,11 +193,12 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
             "--replicas", "2", "--write-policies", "write_back"]
     rows = experiment.main(argv)
     # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eight
-    # configurations on the device alone, six over a host tier in each layout (belady and oracle: the device
-    # alone); per capacity
-    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 6 + 6)
-    segments = [r for r in rows if r["config"].get("host_layout") == "segments"]
-    assert len(segments) == 12 and all(r["config"]["host_ratio"] for r in segments)
+    # configurations on the device alone, six over a host tier in each of the three layouts (belady and
+    # oracle: the device alone); per capacity
+    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 6 * 3)
+    for layout in ("segments", "chains"):
+        laid = [r for r in rows if r["config"].get("host_layout") == layout]
+        assert len(laid) == 12 and all(r["config"]["host_ratio"] for r in laid)
     learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
     assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")
@@ -216,8 +217,8 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     more = experiment.main([*argv, "--parts", "sessions", "--session-configs", "session",
                             "--session-write-policies", "write_back,write_through"])
     more = [r for r in more if r["config"]["part"] == "sessions" and r["config"]["label"] == "session"]
-    assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 4 + \
-        ["write_through"] * 4  # per capacity: the device alone, then each write policy in each layout
+    assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 6 + \
+        ["write_through"] * 6  # per capacity: the device alone, then each write policy in each layout
     assert "| 0.001M (write_through) |" in (out / "tables.md").read_text()
     assert "| 0.001M (write_through, segments) |" in (out / "tables.md").read_text()
     with pytest.raises(ValueError, match="--session-write-policies"):

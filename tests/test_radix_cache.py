@@ -1210,3 +1210,26 @@ def test_regression_unlock_of_an_ancestor_never_locked_raises():
     cache.unlock(leaf.node)
     assert cache.protected_size == 0
     cache.check_invariants()
+
+
+def test_key_of_names_the_prefix_not_the_edges_it_is_split_into():
+    """A ghost key (``key_of``: the prefix through an entry's first page) is the same however the prefix is cut
+    into edges, before and after a split, and differs with the tokens or the namespace."""
+    tokens = list(range(100, 112))
+    cut = RadixCache(page_size=2)  # one edge of 12 tokens, then cut after 6
+    cut.insert(tokens, list(range(12)))
+    before = cut.key_of(cut.match_prefix(tokens).node)
+    cut.insert(tokens[:6] + [7, 7], list(range(20, 28)))
+    lower = cut.match_prefix(tokens).node
+    assert len(lower) == 6 and cut.key_of(lower.parent) == before  # the upper edge starts where it did
+    grown = RadixCache(page_size=2)  # tokens[:6] first, then the rest as a child edge
+    grown.insert(tokens[:6], list(range(6)))
+    grown.insert(tokens, list(range(12)))
+    child = grown.match_prefix(tokens).node
+    assert len(child) == 6 and grown.key_of(child) == cut.key_of(lower)
+    for cache in (cut, grown):
+        cache.check_invariants()
+    assert cut.key_of(cut.match_prefix(tokens[:6] + [7, 7]).node) != cut.key_of(lower)
+    spaced = RadixCache(page_size=2)
+    spaced.insert(tokens, list(range(12)), namespace="a")
+    assert spaced.key_of(spaced.match_prefix(tokens, namespace="a").node) != before

@@ -30,7 +30,7 @@ from radixkv.cache.events import BlockStored
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
-from radixkv.cache.segments import Segment, SegmentTier
+from radixkv.cache.segments import ChainTier, Segment, SegmentTier
 from radixkv.cache.segments import prefix_digest as segment_digest
 from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
 from radixkv.sim import CostModel, simulate, simulate_cluster
@@ -103,7 +103,7 @@ class Rig:
         sizes = {"device": device, "host": host, "storage": storage}
         self.kv = {name: np.full(max(n, 1), POISON, dtype=np.int64) for name, n in sizes.items()}
         self.alloc = KVAllocator(device, self.ps, self.kv["device"])
-        kind_of_tier = SegmentTier if layout == "segments" else Tier
+        kind_of_tier = {"segments": SegmentTier, "chains": ChainTier}.get(layout, Tier)
         tiers = [kind_of_tier(name, make_cache(kind, eviction), KVAllocator(sizes[name], self.ps, self.kv[name]))
                  for name in ("host", "storage") if sizes[name]]
         self.cache = TieredCache(make_cache(kind, eviction), tiers, policy, threshold, worth_loading, self.move)
@@ -302,9 +302,9 @@ def copied(rig: Rig, src: str, dst: str) -> list[Copy]:
 
 kinds = pytest.mark.parametrize("kind", list(KINDS))
 policies = pytest.mark.parametrize("policy", WRITE_POLICIES)
-# every cache kind in the prefix layout, and the radix ones in segments (``SegmentTier``)
+# every cache kind in the prefix layout, and the radix ones in segments and chains (``SegmentTier``, ``ChainTier``)
 layouts = pytest.mark.parametrize("kind, layout", [(k, "prefix") for k in KINDS] +
-                                  [(k, "segments") for k in KINDS if KINDS[k][0] == "radix"])
+                                  [(k, lay) for k in KINDS if KINDS[k][0] == "radix" for lay in ("segments", "chains")])
 
 
 # ==================================================================== construction
@@ -495,6 +495,30 @@ def test_segments_keep_the_tail_the_device_dropped_not_its_prefix(kind):
         assert by_tier == {"device": 8, **({"host": host_has} if host_has else {})}, layout
         rig.cache.unlock(m.node)
         rig.check()
+
+
+@radix_kinds
+@pytest.mark.parametrize("layout, kept", [("chains", 24), ("segments", 32)])
+def test_a_chain_tier_keeps_a_context_written_back_again_once(kind, layout, kept):
+    """A context loaded from the tier, grown and written back whole: a ``ChainTier`` continues the chain it
+    has (each token kept once, 24), a ``SegmentTier`` writes the whole context again from the tier's own
+    match in the namespace on (its segment from 8 stays: 8 tokens twice, 32)."""
+    a, b, c = np.arange(8), np.full(8, 50), np.full(8, 60)
+    rig = Rig(kind, "write_back", device=32, host=32, layout=layout)
+    assert rig.put(a) and rig.put(np.concatenate([a, b]))
+    rig.evict(8)  # the tail: a segment from 8
+    rig.evict(8)  # then the prefix, from 0
+    assert rig.host.cache.total_size == 16
+    m, by_tier = rig.match_and_load(np.concatenate([a, b, c]))  # 16 from the host
+    assert by_tier == {"device": 0, "host": 16}
+    rig.cache.unlock(m.node)
+    assert rig.put(np.concatenate([a, b, c]))  # grown by 8
+    rig.evict(24)  # all of it, written back from 0
+    assert rig.host.cache.total_size == kept
+    m, by_tier = rig.match_and_load(np.concatenate([a, b, c, [1]]))
+    assert by_tier == {"device": 0, "host": 24}
+    rig.cache.unlock(m.node)
+    rig.check()
 
 
 @radix_kinds
@@ -1055,18 +1079,20 @@ def test_simulate_splits_the_hit_rate_by_tier(cache, policy):
         assert sum(row["hit_by_tier"].values()) == row["hit"]
 
 
+@pytest.mark.parametrize("layout", ["segments", "chains"])
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
-def test_simulate_over_a_segment_tier(policy):
-    """``host_layout="segments"`` builds SegmentTiers; the hits split by tier as over a prefix tier."""
+def test_simulate_over_a_segment_tier(policy, layout):
+    """``host_layout="segments"`` / ``"chains"`` build SegmentTiers / ChainTiers; the hits split by tier as
+    over a prefix tier."""
     reqs = chats()
     tiered = simulate(reqs, cache="radix", capacity_tokens=200, page_size=4, host_capacity_tokens=3000,
-                      write_policy=policy, write_threshold=1, host_layout="segments")
+                      write_policy=policy, write_threshold=1, host_layout=layout)
     assert tiered.hit_rate_by_tier.get("host", 0) > 0
     assert sum(tiered.hit_rate_by_tier.values()) == pytest.approx(tiered.hit_rate)
     with pytest.raises(ValueError, match="host_layout"):
         simulate(reqs, cache="radix", capacity_tokens=200, host_capacity_tokens=3000, host_layout="rows")
-    with pytest.raises(ValueError, match="segments works below the radix cache"):
-        simulate(reqs, cache="hash", capacity_tokens=200, host_capacity_tokens=3000, host_layout="segments")
+    with pytest.raises(ValueError, match=f"{layout} works below the radix cache"):
+        simulate(reqs, cache="hash", capacity_tokens=200, host_capacity_tokens=3000, host_layout=layout)
 
 
 def _evict_then_return() -> list[Request]:

@@ -35,7 +35,8 @@ def serve(**settings) -> tuple[list, dict, LLM]:
 
 @pytest.mark.parametrize("cache, geometry", [("radix", {"page_size": 1}), ("radix", {"page_size": 16}),
                                              ("hash", {"block_size": 16}),
-                                             ("radix", {"page_size": 16, "host_layout": "segments"})])
+                                             ("radix", {"page_size": 16, "host_layout": "segments"}),
+                                             ("radix", {"page_size": 16, "host_layout": "chains"})])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_greedy_outputs_equal_one_big_pool(cache, geometry, policy):
     small, stats, llm = serve(prefix_cache=cache, kv_cache_tokens=384, host_kv_cache_tokens=4096,

@@ -25,7 +25,6 @@ Design notes, because they decide the speed:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -42,10 +41,10 @@ from radixkv.cache.base import (
     as_token_array,
     positive_size,
 )
-from radixkv.cache.events import AllBlocksCleared, CacheListener
+from radixkv.cache.events import AllBlocksCleared, CacheListener, page_states
 from radixkv.cache.eviction import EvictionPolicy, make_policy, policy_clock
 from radixkv.cache.radix_checks import check_tree
-from radixkv.cache.radix_events import removed, stored
+from radixkv.cache.radix_events import removed, state_at, stored
 from radixkv.cache.radix_node import RadixNode
 from radixkv.cache.render import empty_tree
 from radixkv.cache.tiers import Untiered
@@ -145,10 +144,12 @@ class RadixCache(CacheBooks, Untiered):
         return len(node.parent.children) == 1
 
     def key_of(self, node: RadixNode) -> Hashable:
-        """A key naming ``node``'s prefix through its first page (for policies' ghost lists). O(depth + prefix)."""
-        path, root = node.path()
-        prefix = b"".join(n.key for n in path[:-1]) + node.key[: self._page_bytes]
-        return self._namespace_of[id(root)], hashlib.blake2b(prefix, digest_size=16).digest()
+        """A key naming ``node``'s prefix through its first page (for policies' ghost lists): the page-hash state
+        there (``radixkv.cache.events``), chained from the state each node keeps at its end, so the key is the
+        same whatever edges the prefix is split into. O(first page), plus the tokens of the path's nodes that
+        have no state yet (each node's is computed once)."""
+        start = state_at(self, node.parent)
+        return int(page_states(start, node.tokens[: self.page_size], self.page_size)[-1])
 
     def _common_bytes(self, key: bytes, query: bytes, off: int) -> int:
         """Bytes (whole pages) that ``key`` shares with ``query[off:]``; key's first page is known to match."""

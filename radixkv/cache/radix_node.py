@@ -38,7 +38,7 @@ class RadixNode:
         self.lock_count = self.own_lock_count = self.hit_count = 0
         self.last_access = self.created = now
         self.stamp = -1  # sequence number of this node's newest heap entry
-        self.prefix_state: int | None = None  # page-hash state at the edge's end, computed for listeners only
+        self.prefix_state: int | None = None  # page-hash state at the edge's end, once a listener or key_of needed it
         self.depth = depth  # tokens before the edge (its prefix), for eviction policies
         self.user: object = None  # the eviction policy's: the last request that used it
         self.state: object = None  # the eviction policy's own record

@@ -13,6 +13,9 @@ the tier holds any longer cannot be reached: its entries are never refreshed and
 
 The digest is checked only for the starts this tier holds in the prompt's namespace (a sorted index), by one
 incremental hash over the prompt: O(prompt tokens) per lookup, on top of the matches.
+
+``ChainTier`` (``host_layout="chains"``) writes the same segments, each write continuing the chain a lookup
+would read, so no token is kept twice.
 """
 
 from __future__ import annotations
@@ -99,12 +102,16 @@ class SegmentTier(Tier):
         for stop in range(min(already + step, n), n + step, step):  # nodes of at most node_tokens
             self.cache.insert(own[: min(stop, n)], slots[: min(stop, n)], key, hints)
         if start and len(fresh):
-            digests = self._starts.setdefault(namespace, SortedDict()).setdefault(start, set())
-            if key.prefix not in digests:
-                digests.add(key.prefix)
-                self._count += 1
-                if self._count > self._bound:
-                    self._drop_emptied()
+            self._register(key)
+
+    def _register(self, key: Segment) -> None:
+        """A segment written: it joins the sorted index of its namespace's starts."""
+        digests = self._starts.setdefault(key.namespace, SortedDict()).setdefault(key.start, set())
+        if key.prefix not in digests:
+            digests.add(key.prefix)
+            self._count += 1
+            if self._count > self._bound:
+                self._drop_emptied()
 
     def _segments(self, tokens: np.ndarray, namespace: Hashable) -> Iterator[tuple[int, Segment]]:
         """The segments of ``namespace`` below a prefix of ``tokens``, ascending by start, lazily (a caller
@@ -173,3 +180,85 @@ class SegmentTier(Tier):
         super().reset()
         self._starts.clear()
         self._count, self._bound, self._last = 0, 1024, None
+
+
+class ChainTier(SegmentTier):
+    """``chains``: a ``SegmentTier`` whose writes continue the chain a lookup would read instead of starting a
+    segment of their own. ``SegmentTier`` writes every write-back into the segment at its start, so a context
+    written back in parts, or again after a load, can be kept twice (a piece in an older segment and a copy
+    in the new one); here a write walks the chain from its start first (as ``find``: each piece refreshed,
+    the device's ``start`` tokens demoted again), keeps what the tier covers and hangs only the rest below the
+    chain's last piece, in that piece's namespace. Each token is kept once and a context ages as one chain.
+
+    On the agentic trace (``llama3-70b-8xh100``, radix page 64, ``write_back``; docs/agentic.md, *Sessions
+    at the cliff*) it is the better layout at 64 sessions (4M + 4M, ``session``: 7.84 s mean TTFT against
+    10.11 s) and the worse at 16 (1M + 1M: 5.18 s against 4.09 s), where contexts of up to 890k tokens fill
+    most of each tier; why it loses there is not isolated. Radix only, as ``SegmentTier``."""
+
+    def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
+                 buffer: Any = None, node_tokens: int = 1024):
+        super().__init__(name, cache, allocator, shared, buffer, node_tokens)
+        self._write_plan: tuple | None = None  # what ``store`` found for the ``keep`` that follows it
+
+    @staticmethod
+    def _segment_key(namespace: Hashable, tokens: np.ndarray, start: int) -> Hashable:
+        """The namespace of ``tokens`` from ``start`` on (the namespace itself at 0). O(start): the digest."""
+        return namespace if start == 0 else Segment(namespace, start, prefix_digest(tokens[:start]))
+
+    def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True,
+              start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``Tier.store`` for the tokens from ``start`` on. What the tier's segments already cover from there (the
+        chain ``find`` walks, each piece refreshed, the device's ``start`` tokens demoted again) is ``held``,
+        and room is made for the rest, which ``keep`` hangs below the chain's last piece (in its namespace) or,
+        with no chain, in a segment of its own at ``start``. So a context written back in parts, or again after
+        a load, is kept once, as one chain that ages as one: a copy in a second segment would go in LRU order
+        before the first and cut the chain. O(tokens) hashing plus a match per segment met, and the eviction."""
+        n = self.cache.cacheable_length(len(tokens))
+        chain = self.find(tokens[:n], namespace, hints, start, start)
+        cover, pieces = start, []
+        for m in chain:  # each match's indices are in the prompt's coordinates, reaching past the cover so far
+            pieces.append(m.indices[cover : m.length])
+            cover = m.length
+        held = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        last = chain[-1] if chain else None
+        p = start if last is None else int(np.count_nonzero(last.indices < 0))  # where the last piece starts
+        key = self._segment_key(namespace, tokens, p) if last is None or p else namespace
+        self._write_plan = (tokens, namespace, start, p, key, held[:0] if last is None else last.indices[p:cover])
+        if cover >= n:
+            return held, held[:0]
+        for m in chain:  # the chain the new pages hang from must survive the eviction
+            self.cache.lock(m.node)
+        try:
+            short = n - cover - self.allocator.num_free
+            if short > 0:
+                self.allocator.free(self.cache.evict(short, demoted_only=not displace))
+            page = self.allocator.page_size
+            fit = min(n - cover, self.allocator.num_free // page * page)
+            return held, self.allocator.alloc(fit) if fit else held[:0]
+        finally:
+            for m in chain:
+                self.cache.unlock(m.node)
+
+    def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable,
+             hints: CacheHints = NO_HINTS, start: int = 0) -> None:
+        """Insert the pages ``store`` made room for (at ``fresh``, their KV copied) below the chain it found, in
+        nodes of at most ``node_tokens``; a new segment joins the index."""
+        cover = start + len(held)
+        plan, self._write_plan = self._write_plan, None
+        if plan is not None and plan[0] is tokens and plan[1:3] == (namespace, start):
+            _, _, _, p, key, below = plan  # below the chain's last piece, in its namespace (or a new segment)
+        else:  # not the write ``store`` planned: a segment of its own from the cover on
+            p, key, below = cover, self._segment_key(namespace, tokens, cover), held[:0]
+        own, slots = tokens[p:], np.concatenate([below, fresh])
+        n = len(slots)
+        already = self.cache.held_length(own[:n], key)  # another writer's since ``store``: those stay theirs
+        self.allocator.free(fresh[: max(already - len(below), 0)])
+        step = self.node_tokens
+        for stop in range(min(already + step, n), n + step, step):  # nodes of at most node_tokens
+            self.cache.insert(own[: min(stop, n)], slots[: min(stop, n)], key, hints)
+        if p and len(fresh):
+            self._register(key)
+
+    def reset(self) -> None:
+        super().reset()
+        self._write_plan = None

@@ -18,8 +18,9 @@ from radixkv.memory import SlotAllocator
 DEVICE, HOST, STORAGE = "device", "host", "storage"
 REPORTED = (DEVICE, HOST)  # the tiers every hit report lists, present or not (tables and dashboards keep columns)
 MEDIUM = {DEVICE: "GPU", HOST: "CPU", STORAGE: "STORAGE"}  # vLLM's KV event ``medium`` per tier
-# how a lower tier keeps what it gets: one prefix tree (``Tier``), or segments below the prefix the device holds
-HOST_LAYOUTS = ("prefix", "segments")  # (``radixkv.cache.segments.SegmentTier``)
+# how a lower tier keeps what it gets: one prefix tree (``Tier``), segments below the prefix the device holds
+# (``radixkv.cache.segments.SegmentTier``), or such segments written as one chain per context (``ChainTier``)
+HOST_LAYOUTS = ("prefix", "segments", "chains")
 
 
 @dataclass(frozen=True)

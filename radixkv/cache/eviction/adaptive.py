@@ -1,8 +1,8 @@
 """Policies that keep entries in queues and remember what they evicted: ARC and S3-FIFO.
 
 Both count queue sizes in tokens over every entry the cache holds (locked and inner ones too), and remember
-evicted entries by their prefix key (``cache.key_of``: the radix path through the entry's first page, a hash
-block's chained key) in ghost lists holding at most as many tokens as the cache can (``capacity``).
+evicted entries by their prefix key (``cache.key_of``: the radix tree's page-hash state through the entry's
+first page, a hash block's chained key) in ghost lists holding at most as many tokens as the cache can (``capacity``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ class ARC(EvictionPolicy):
     in tokens, grows when an inserted entry is found in B1 (by its size x max(1, |B2| / |B1|)) and shrinks
     when found in B2; such an entry enters T2. Eviction takes T1's least recent while T1 holds more than
     ``p`` tokens, otherwise T2's (the other list when one has no candidate). O(log n) per push and pop,
-    O(1) per hook plus ``key_of`` (O(prefix) for the radix tree) at inserts and evictions.
+    O(1) per hook plus ``key_of`` (O(page) for the radix tree: each node keeps its prefix state) at inserts
+    and evictions.
     """
 
     name = "arc"

@@ -29,7 +29,7 @@ turn's. The eviction rank is
     priority = last_access + horizon x ln(max(p, 0.001))
 
 so an entry of a class half as likely to be reused goes ``horizon x ln 2`` ticks earlier than LRU would send
-it. O(log n) per push and pop, O(1) per inserted or touched entry plus ``key_of`` (O(prefix) for the radix
+it. O(log n) per push and pop, O(1) per inserted or touched entry plus ``key_of`` (O(page) for the radix
 tree) at inserts and evictions; the refit is O(classes).
 
 On Mooncake's conversation trace (one radix cache, page 512, ``simulate``'s defaults) it raises the hit rate
