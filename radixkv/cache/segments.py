@@ -93,16 +93,21 @@ class SegmentTier(Tier):
              hints: CacheHints = NO_HINTS, start: int = 0) -> None:
         """``Tier.keep`` for the tokens from ``start`` on, in nodes of at most ``node_tokens``; the segment joins
         the index."""
-        key, own = self._key(namespace, tokens, start, made=True), tokens[start:]
-        n = len(held) + len(fresh)
+        key = self._key(namespace, tokens, start, made=True)
+        self._insert(tokens[start:], held, fresh, key, hints)
+        if start and len(fresh):
+            self._register(key)
+
+    def _insert(self, own: np.ndarray, held: np.ndarray, fresh: np.ndarray, key: Hashable, hints: CacheHints) -> None:
+        """Insert the leading tokens of ``own`` at ``held`` (the tier's already) then ``fresh`` into ``key``'s tree,
+        in nodes of at most ``node_tokens``; fresh slots another writer filled first are freed."""
         slots = np.concatenate([held, fresh])
+        n = len(slots)
         already = self.cache.held_length(own[:n], key)  # another writer's since ``store``: those stay theirs
         self.allocator.free(fresh[: max(already - len(held), 0)])
         step = self.node_tokens
         for stop in range(min(already + step, n), n + step, step):  # nodes of at most node_tokens
             self.cache.insert(own[: min(stop, n)], slots[: min(stop, n)], key, hints)
-        if start and len(fresh):
-            self._register(key)
 
     def _register(self, key: Segment) -> None:
         """A segment written: it joins the sorted index of its namespace's starts."""
@@ -249,13 +254,7 @@ class ChainTier(SegmentTier):
             _, _, _, p, key, below = plan  # below the chain's last piece, in its namespace (or a new segment)
         else:  # not the write ``store`` planned: a segment of its own from the cover on
             p, key, below = cover, self._segment_key(namespace, tokens, cover), held[:0]
-        own, slots = tokens[p:], np.concatenate([below, fresh])
-        n = len(slots)
-        already = self.cache.held_length(own[:n], key)  # another writer's since ``store``: those stay theirs
-        self.allocator.free(fresh[: max(already - len(below), 0)])
-        step = self.node_tokens
-        for stop in range(min(already + step, n), n + step, step):  # nodes of at most node_tokens
-            self.cache.insert(own[: min(stop, n)], slots[: min(stop, n)], key, hints)
+        self._insert(tokens[p:], below, fresh, key, hints)
         if p and len(fresh):
             self._register(key)
 
