@@ -29,7 +29,7 @@ from radixkv.cache.eviction import make_policy as make_policy_named
 from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
-from radixkv.cache.segments import ChainTier, SegmentTier
+from radixkv.cache.segments import TIER_KINDS
 from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
 from radixkv.cache.tiers import HOST_LAYOUTS, TierSpec, lower_tiers
 from radixkv.memory import SlotAllocator
@@ -202,7 +202,7 @@ def lower_tier(config: StackConfig, spec: TierSpec, memory: Any = None) -> Tier:
     policy (a policy of its own) over ``spec.tokens`` slots, and with ``memory`` (the engine's) its KV buffer."""
     cache = make_cache(config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
                        eviction_policy=config.eviction_policy, eviction_params=config.eviction_params)
-    kind = {"segments": SegmentTier, "chains": ChainTier}.get(config.host_layout, Tier) if not spec.shared else Tier
+    kind = Tier if spec.shared else TIER_KINDS[config.host_layout]
     return kind(spec.name, cache, SlotAllocator(spec.tokens, page_size=cache.page_size), spec.shared,
                 None if memory is None else memory.buffer(spec))
 

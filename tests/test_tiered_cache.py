@@ -30,9 +30,10 @@ from radixkv.cache.events import BlockStored
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.hash_v0 import HashV0Cache
 from radixkv.cache.lifecycle import commit_prefix, release_sequence
-from radixkv.cache.segments import ChainTier, Segment, SegmentTier
+from radixkv.cache.segments import TIER_KINDS, Segment, SegmentTier
 from radixkv.cache.segments import prefix_digest as segment_digest
 from radixkv.cache.tiered import WRITE_POLICIES, Copy, Tier, TieredCache
+from radixkv.cache.tiers import HOST_LAYOUTS
 from radixkv.sim import CostModel, simulate, simulate_cluster
 from radixkv.workloads import Request, make
 
@@ -103,7 +104,7 @@ class Rig:
         sizes = {"device": device, "host": host, "storage": storage}
         self.kv = {name: np.full(max(n, 1), POISON, dtype=np.int64) for name, n in sizes.items()}
         self.alloc = KVAllocator(device, self.ps, self.kv["device"])
-        kind_of_tier = {"segments": SegmentTier, "chains": ChainTier}.get(layout, Tier)
+        kind_of_tier = TIER_KINDS[layout]
         tiers = [kind_of_tier(name, make_cache(kind, eviction), KVAllocator(sizes[name], self.ps, self.kv[name]))
                  for name in ("host", "storage") if sizes[name]]
         self.cache = TieredCache(make_cache(kind, eviction), tiers, policy, threshold, worth_loading, self.move)
@@ -535,6 +536,10 @@ def test_a_segment_write_makes_nodes_of_at_most_node_tokens(kind):
     host.allocator.free(freed)
     assert len(freed) == 4  # the last node, not the whole context
     cache.check_invariants()
+
+
+def test_every_host_layout_names_a_tier_class():
+    assert tuple(TIER_KINDS) == HOST_LAYOUTS
 
 
 @pytest.mark.parametrize("node_tokens", [0, 6, 2.0, True])

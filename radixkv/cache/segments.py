@@ -46,6 +46,12 @@ def prefix_digest(tokens: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.int64), digest_size=16).digest()
 
 
+def segment_key(namespace: Hashable, tokens: np.ndarray, start: int) -> Hashable:
+    """The namespace a tier keeps ``tokens`` from ``start`` on in: the namespace itself at 0, else their
+    ``Segment``. O(start): the digest."""
+    return namespace if start == 0 else Segment(namespace, start, prefix_digest(tokens[:start]))
+
+
 class SegmentTier(Tier):
     """A ``Tier`` keeping write-backs as segments below the prefix the device holds (see the module doc).
 
@@ -80,7 +86,7 @@ class SegmentTier(Tier):
         last, self._last = self._last, None
         if made and last is not None and last[0] is tokens and last[1] == (namespace, start):
             return last[2]
-        key = Segment(namespace, start, prefix_digest(tokens[:start]))
+        key = segment_key(namespace, tokens, start)
         self._last = None if made else (tokens, (namespace, start), key)
         return key
 
@@ -205,11 +211,6 @@ class ChainTier(SegmentTier):
         super().__init__(name, cache, allocator, shared, buffer, node_tokens)
         self._write_plan: tuple | None = None  # what ``store`` found for the ``keep`` that follows it
 
-    @staticmethod
-    def _segment_key(namespace: Hashable, tokens: np.ndarray, start: int) -> Hashable:
-        """The namespace of ``tokens`` from ``start`` on (the namespace itself at 0). O(start): the digest."""
-        return namespace if start == 0 else Segment(namespace, start, prefix_digest(tokens[:start]))
-
     def store(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints = NO_HINTS, displace: bool = True,
               start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``Tier.store`` for the tokens from ``start`` on. What the tier's segments already cover from there (the
@@ -227,22 +228,11 @@ class ChainTier(SegmentTier):
         held = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
         last = chain[-1] if chain else None
         p = start if last is None else int(np.count_nonzero(last.indices < 0))  # where the last piece starts
-        key = self._segment_key(namespace, tokens, p) if last is None or p else namespace
+        key = segment_key(namespace, tokens, p) if last is None or p else namespace
         self._write_plan = (tokens, namespace, start, p, key, held[:0] if last is None else last.indices[p:cover])
         if cover >= n:
             return held, held[:0]
-        for m in chain:  # the chain the new pages hang from must survive the eviction
-            self.cache.lock(m.node)
-        try:
-            short = n - cover - self.allocator.num_free
-            if short > 0:
-                self.allocator.free(self.cache.evict(short, demoted_only=not displace))
-            page = self.allocator.page_size
-            fit = min(n - cover, self.allocator.num_free // page * page)
-            return held, self.allocator.alloc(fit) if fit else held[:0]
-        finally:
-            for m in chain:
-                self.cache.unlock(m.node)
+        return held, self._fresh([m.node for m in chain], n - cover, displace)
 
     def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable,
              hints: CacheHints = NO_HINTS, start: int = 0) -> None:
@@ -253,7 +243,7 @@ class ChainTier(SegmentTier):
         if plan is not None and plan[0] is tokens and plan[1:3] == (namespace, start):
             _, _, _, p, key, below = plan  # below the chain's last piece, in its namespace (or a new segment)
         else:  # not the write ``store`` planned: a segment of its own from the cover on
-            p, key, below = cover, self._segment_key(namespace, tokens, cover), held[:0]
+            p, key, below = cover, segment_key(namespace, tokens, cover), held[:0]
         self._insert(tokens[p:], below, fresh, key, hints)
         if p and len(fresh):
             self._register(key)
@@ -261,3 +251,7 @@ class ChainTier(SegmentTier):
     def reset(self) -> None:
         super().reset()
         self._write_plan = None
+
+
+# the class of a lower tier per ``HOST_LAYOUTS`` name (``radixkv.stack.lower_tier`` builds them)
+TIER_KINDS: dict[str, type[Tier]] = {"prefix": Tier, "segments": SegmentTier, "chains": ChainTier}

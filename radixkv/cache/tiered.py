@@ -109,16 +109,24 @@ class Tier:
                 self.cache.lock(m.node)
                 self.cache.unlock(m.node)
             return m.indices, m.indices[:0]
-        self.cache.lock(m.node)  # the path the new pages hang from must survive the eviction
+        return m.indices, self._fresh([m.node], n - m.length, displace)
+
+    def _fresh(self, nodes: Sequence[Any], wanted: int, displace: bool) -> np.ndarray:
+        """Fresh slots for as many whole pages of ``wanted`` tokens as fit, after evicting this tier's own
+        entries where it is short (only demoted ones when not ``displace``); ``nodes``, the path the new pages
+        hang from, are locked meanwhile so the eviction spares it. O(the eviction)."""
+        for node in nodes:
+            self.cache.lock(node)
         try:
-            short = n - m.length - self.allocator.num_free
+            short = wanted - self.allocator.num_free
             if short > 0:
                 self.allocator.free(self.cache.evict(short, demoted_only=not displace))
             page = self.allocator.page_size
-            fit = min(n - m.length, self.allocator.num_free // page * page)
-            return m.indices, self.allocator.alloc(fit) if fit else m.indices[:0]
+            fit = min(wanted, self.allocator.num_free // page * page)
+            return self.allocator.alloc(fit) if fit else np.zeros(0, np.int64)
         finally:
-            self.cache.unlock(m.node)
+            for node in nodes:
+                self.cache.unlock(node)
 
     def keep(self, tokens: np.ndarray, held: np.ndarray, fresh: np.ndarray, namespace: Hashable,
              hints: CacheHints = NO_HINTS, start: int = 0) -> None:
