@@ -67,9 +67,11 @@ SESSION_CONFIGS = {
     "ttl-1h": ("fcfs", "ttl", {"ttl": 3600.0}),
     "session+lru": ("session", "lru", None),
     "session": ("session", "session", None),
+    "session+prefetch": ("session", "session", None),  # and KVFlow's prefetch from the host (over one only)
     "learned": ("fcfs", "learned", None),  # fed the stop reason, depth and context length
     "oracle": ("session-oracle", "belady", None),  # knows every future request and pause (device alone)
 }
+PREFETCHING = ("session+prefetch",)  # labels whose rows prefetch (radixkv.scheduling.prefetch)
 
 
 def parse_args(argv: list[str] | None):
@@ -145,8 +147,9 @@ def grid(args) -> list[dict]:
 def session_configs(args, base: dict) -> list[dict]:
     """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio, over a
     host tier under each of ``--session-write-policies`` and ``--session-host-layouts`` (``belady`` on the
-    device alone: the reference eviction, not a tiered one). A row names its layout where it is not
-    ``prefix`` (rows from before the layouts keep their keys)."""
+    device alone: the reference eviction, not a tiered one; ``PREFETCHING`` labels over a host tier only: a
+    prefetch loads from one). A row names its layout where it is not ``prefix``, and its prefetch where it
+    has one (rows from before the layouts and the prefetch keep their keys)."""
     out = []
     labels = names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs")
     writes = names_from(args.session_write_policies, WRITE_POLICIES, "--session-write-policies")
@@ -155,10 +158,12 @@ def session_configs(args, base: dict) -> list[dict]:
         tiers = itertools.product(writes, layouts) if ratio else [(None, "prefix")]
         for (write, layout), label in itertools.product(tiers, labels):
             schedule, policy, params = SESSION_CONFIGS[label]
-            if policy != "belady" or not ratio:
+            prefetch = label in PREFETCHING
+            if (policy != "belady" or not ratio) and (ratio or not prefetch):
                 out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
                             "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
-                            "write_policy": write, **({"host_layout": layout} if layout != "prefix" else {})})
+                            "write_policy": write, **({"host_layout": layout} if layout != "prefix" else {}),
+                            **({"prefetch": True} if prefetch else {})})
     return out
 
 
@@ -186,7 +191,8 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
                        write_policy=config["write_policy"] or "write_through",
                        schedule_policy=config.get("schedule_policy", "fcfs"),
                        eviction_params=config.get("eviction_params") or {},
-                       host_layout=config.get("host_layout", "prefix"), **common)
+                       host_layout=config.get("host_layout", "prefix"), prefetch=config.get("prefetch", False),
+                       **common)
         rows = res.per_request
         learned = {"eviction": res.config["eviction"]}  # the session policy's learned holds, for one
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),

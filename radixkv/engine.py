@@ -205,6 +205,7 @@ class LLM:
         finished: list[RequestOutput] = []
         try:
             with deferred_interrupts():  # a Ctrl-C here is raised after the books are whole again
+                self.scheduler.prefetch()  # contexts due back from the host tier (``prefetch``), while none waits
                 batch = self.scheduler.schedule()
             self.mover.wait()  # loads land before attention reads them
             if not batch:

@@ -35,6 +35,7 @@ from radixkv.cache.tiers import HOST_LAYOUTS, TierSpec, lower_tiers
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
 from radixkv.scheduling import RequestState, Scheduler, make_policy
+from radixkv.scheduling.prefetch import Prefetcher
 from radixkv.settings import canonical, problems, setting
 
 BLOCK_CACHES = ("hash", "hash-v0")  # caches that allocate whole blocks of ``block_size``
@@ -94,6 +95,8 @@ class StackConfig:
                                          "(one prefix tree), segments below the prefix the device still holds, or "
                                          "such segments written as one chain per context (radix only)",
                                choices=HOST_LAYOUTS)
+    prefetch: bool = setting(False, "load an agent session's context back from the lower tiers before its "
+                                    "predicted return (KVFlow's prefetch; radixkv.scheduling.prefetch)")
 
     def __post_init__(self) -> None:
         for message in self.problems():
@@ -109,6 +112,8 @@ class StackConfig:
             wrong.append(f"host and storage tiers work with the caches {TIERED_CACHES}")
         if self.tiered and self.host_layout != "prefix" and self.prefix_cache != "radix":
             wrong.append(f"host_layout {self.host_layout} works below the radix cache")
+        if self.prefetch and not self.tiered:
+            wrong.append("prefetch loads from a host or storage tier: give host_capacity_tokens")
         if self.tiered and needs_future(self.eviction_policy):
             wrong.append("tiers take an online eviction_policy (one that needs no future)")
         try:  # what ``make_policy`` says of the eviction policy's parameters
@@ -170,14 +175,15 @@ class Stack:
 def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = None,
                 whole_kv: Callable[[RequestState], int] | None = None, storage: Tier | None = None,
                 worth_loading: Callable[[str, int, int], bool] | None = None, memory: Any = None,
-                future: Any = None) -> Stack:
+                future: Any = None, load_time: Callable[[int], float] | None = None) -> Stack:
     """The cache (``cache`` if given, else ``make_cache`` from ``config``, handing ``future`` to a policy that
     needs it: the simulator's), an allocator of ``slots`` at the cache's page, and a scheduler with
     ``config``'s policy and budgets; ``whole_kv`` reserves each request's whole KV at admission (see
     ``Scheduler``). Each of ``config.tiers`` is built whole (``lower_tier``): its cache, its allocator and,
     with ``memory`` (the engine's ``TierMemory``), its KV buffer, and the cache becomes a ``TieredCache`` over
     them, with ``worth_loading`` and ``memory``'s mover (see ``TieredCache``); ``storage``: a built store in
-    place of the storage spec's (one several replicas share)."""
+    place of the storage spec's (one several replicas share). With ``config.prefetch`` the scheduler gets a
+    ``Prefetcher`` that starts each load ``load_time(tokens)`` seconds ahead (None: 0)."""
     prefix_cache = cache if cache is not None else make_cache(
         config.prefix_cache, page_size=config.page_size, block_size=config.block_size,
         eviction_policy=config.eviction_policy, eviction_params=config.eviction_params, future=future)
@@ -194,6 +200,8 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     budget, chunk = (math.inf if v is None else int(v) for v in (config.max_batch_tokens, config.chunked_prefill_size))
     scheduler = Scheduler(prefix_cache, allocator, policy, max_running=config.max_running, max_batch_tokens=budget,
                           chunked_prefill_size=chunk, whole_kv=whole_kv)
+    if config.prefetch:
+        scheduler.prefetcher = Prefetcher(load_time)
     return Stack(prefix_cache, allocator, scheduler, future)
 
 

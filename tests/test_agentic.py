@@ -193,12 +193,13 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
             "--replicas", "2", "--write-policies", "write_back"]
     rows = experiment.main(argv)
     # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eight
-    # configurations on the device alone, six over a host tier in each of the three layouts (belady and
-    # oracle: the device alone); per capacity
-    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 6 * 3)
+    # configurations on the device alone, seven over a host tier in each of the three layouts (belady and
+    # oracle: the device alone; session+prefetch: over a host tier only); per capacity
+    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 7 * 3)
+    assert all(bool(r["config"].get("prefetch")) == (r["config"].get("label") == "session+prefetch") for r in rows)
     for layout in ("segments", "chains"):
         laid = [r for r in rows if r["config"].get("host_layout") == layout]
-        assert len(laid) == 12 and all(r["config"]["host_ratio"] for r in laid)
+        assert len(laid) == 14 and all(r["config"]["host_ratio"] for r in laid)
     learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
     assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")

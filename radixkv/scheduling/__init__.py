@@ -1,5 +1,6 @@
-"""Scheduling: the admission policies (``policies``) and the scheduler core the engine and the simulator
-share (``core``: one request record, one step's admission, memory, preemption, chunking and commits)."""
+"""Scheduling: the admission policies (``policies``, ``session``), the scheduler core the engine and the
+simulator share (``core``: one request record, one step's admission, memory, preemption, chunking and
+commits), and the prefetch of agent sessions' contexts from the lower tiers (``prefetch``)."""
 
 from radixkv.scheduling.core import Batch, RequestState, Scheduler, causal_pairs
 from radixkv.scheduling.policies import (

@@ -29,6 +29,10 @@ Memory comes in one of two ways:
 * reserved whole at admission (``whole_kv`` gives a request's total KV tokens, which the simulator knows
   from its output length): nothing is ever preempted.
 
+With a ``prefetcher`` (``radixkv.scheduling.prefetch``, the ``prefetch`` setting), the owner calls ``prefetch``
+before each step: contexts of agent sessions due back soon are loaded from the lower tiers into free device
+slots while no request waits (the simulator charges the copies, the engine's mover runs them).
+
 The owner keeps what only it knows in a subclass of ``RequestState`` (the engine: sampling state and
 tokens; the simulator: the clock), and ``RequestState.reset`` is where a preempted request forgets it.
 """
@@ -48,6 +52,7 @@ from radixkv.cache.lifecycle import commit_prefix, release_sequence
 from radixkv.cache.tiers import DEVICE
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
+from radixkv.scheduling.prefetch import Prefetcher
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -140,12 +145,43 @@ class Scheduler:
         self.follows_sessions = bool(getattr(policy, "follows_sessions", False))
         if self.follows_sessions:
             policy.attach(self)
+        self.prefetcher: Prefetcher | None = None  # loads sessions' contexts back before they return (``prefetch``)
 
     def add(self, state: RequestState) -> None:
         """Queue a request (it waits behind the others)."""
         self.waiting.append(state)
         if self.follows_sessions:
             self.policy.added(state)
+        if self.prefetcher is not None:
+            self.prefetcher.returned(state.hints, self.clock())
+
+    # ---------------------------------------------------------------- prefetch
+    def prefetch(self) -> int:
+        """Load the contexts the ``prefetcher`` says are due back to the device from the cache's lower tiers,
+        while no request waits, each whole into free device slots or not at all (a prefetch evicts nothing and
+        takes no memory a waiting request could use; what it loads is unlocked and evictable): the tokens
+        loaded. Due contexts wait while requests do. O(context) each."""
+        if self.prefetcher is None or self.waiting:
+            return 0
+        due = self.prefetcher.due(self.clock())  # handed out even where nothing can load (no tier): never again
+        return sum(self._prefetch(c.tokens, c.namespace) for c in due) if self.cache.tiers else 0
+
+    def _prefetch(self, tokens: np.ndarray, namespace: Hashable) -> int:
+        """Load what the lower tiers hold of ``tokens`` past the device's match into free slots; nothing when
+        fewer are free. The tokens loaded. Its lookups carry no hints: a prefetch is no request, and a policy
+        must not take it for the session's return."""
+        m = self.cache.match_prefix(tokens, namespace)
+        self.cache.lock(m.node)
+        try:
+            plan = self.cache.plan_load(tokens, m, namespace)
+            n = plan.length
+            if not n or self.allocator.num_free < n:
+                self.cache.cancel(plan)
+                return 0
+            m = self.cache.load(plan, self.allocator.alloc(n))  # the lock moves onto the new match
+            return n
+        finally:
+            self.cache.unlock(m.node)
 
     # ---------------------------------------------------------------- one step
     def schedule(self) -> Batch:
@@ -243,6 +279,9 @@ class Scheduler:
         self.running.remove(state)
         if self.follows_sessions:
             self.policy.finished(state, len(sequence))
+        if self.prefetcher is not None:
+            cached = np.asarray(sequence)[: self.cache.cacheable_length(len(sequence))]
+            self.prefetcher.finished(cached, state.namespace, state.hints, self.clock())
 
     def abort(self, s: RequestState) -> None:
         """Drop a waiting or running request: what it computed (its leading tokens with KV) is cached as

@@ -27,7 +27,7 @@ from radixkv.cache.base import PrefixCache
 from radixkv.cache.eviction import EVERY_POLICY, needs_future
 from radixkv.cache.future import FutureUses
 from radixkv.cache.tiered import Tier, device_policy
-from radixkv.cache.tiers import STORAGE
+from radixkv.cache.tiers import HOST, STORAGE
 from radixkv.checks import is_int
 from radixkv.cost import CostModel
 from radixkv.routing import RoundRobin, Router, fit_router, memory_params
@@ -172,8 +172,10 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
         future = FutureUses(_CacheablePrompts(requests), config.page_size)
     else:  # a ready cache whose policy was handed its future marks requests served the same way
         future = getattr(getattr(cache, "policy", None), "future", None)
+    cost = cost or CostModel()
     stack = build_stack(config, slots, cache=cache, whole_kv=None if preemption else whole_kv, storage=storage,
-                        worth_loading=(cost or CostModel()).worth_loading, future=future)
+                        worth_loading=cost.worth_loading, future=future,
+                        load_time=lambda tokens: cost.load_time(HOST, tokens))
     policy = getattr(stack.scheduler.policy, "inner", stack.scheduler.policy)
     if getattr(policy, "needs_future", False):  # a clairvoyant schedule (session-oracle) knows every request
         policy.foresee(requests)
@@ -291,6 +293,8 @@ def simulate_on(requests: list[Request], config: StackConfig, cost: CostModel, p
     policy = device_policy(stack.cache)
     result.config = {**named, "cost_model": asdict(cost), "requests": len(requests),
                      "eviction": None if policy is None else policy.describe()}  # with what it learned by the end
+    if stack.scheduler.prefetcher is not None:  # the pauses it predicted by the end
+        result.config["prefetcher"] = stack.scheduler.prefetcher.describe()
     return result
 
 
@@ -342,7 +346,11 @@ class _ClusterRun:
         while True:
             busy = [rep for rep in self.replicas if rep.busy]
             t_step = min((rep.now for rep in busy), default=math.inf)
-            if self.feed.pending and self.feed.next_time() <= t_step:
+            t_feed = self.feed.next_time() if self.feed.pending else math.inf
+            idle = min((rep for rep in self.replicas if not rep.busy), default=None, key=Replica.next_prefetch)
+            if idle is not None and idle.next_prefetch() < min(t_feed, t_step) < math.inf:
+                idle.prefetch_idle()  # a context due on an idle replica loads now, before anything else comes
+            elif self.feed.pending and t_feed <= t_step:
                 self._send()
             elif busy:
                 min(busy, key=lambda rep: (rep.now, rep.index)).step()

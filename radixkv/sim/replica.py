@@ -4,7 +4,9 @@ record of a request in it (``Running``), when each request is sent (``Feed``), a
 
 A request reserves its whole KV (uncached prompt + output - 1 tokens: the last generated token's KV is
 never computed) when admitted unless the scheduler grows it as the engine does (``preemption=True``);
-consecutive steps with nothing but decodes are taken in one stride.
+consecutive steps with nothing but decodes are taken in one stride. With the ``prefetch`` setting, contexts
+due back (``radixkv.scheduling.prefetch``) load at the start of a step, their copies charged with the step's
+loads, or on an idle replica when due, the replica busy copying meanwhile (``SimResult.prefetched_tokens``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class SimResult:
     loaded_tokens: int = 0  # from lower tiers into the device
     written_tokens: int = 0  # from the device into lower tiers
     saved_prefill_s: float = 0.0  # prefill seconds the hits saved (``CostModel.saved_prefill_time``)
+    prefetched_tokens: int = 0  # loaded before their session came back (``radixkv.scheduling.prefetch``)
+    prefetch_seconds: float = 0.0  # those loads' time (apart from ``load_seconds``, the admissions')
     config: dict = field(default_factory=dict)
     per_request: list[dict] = field(default_factory=list)
     steps: list[tuple[int, float, int, int]] = field(default_factory=list)
@@ -76,7 +80,8 @@ class SimResult:
                  for k, f in {"mean": np.mean, "p50": np.median, "p99": lambda x: np.percentile(x, 99)}.items()}
         totals = ("prompt_tokens", "hit_tokens", "hit_rate", "computed_tokens", "evicted_tokens", "preemptions",
                   "rejected", "makespan")
-        tiers = ("hit_rate_by_tier", "load_seconds", "loaded_tokens", "written_tokens", "saved_prefill_s")
+        tiers = ("hit_rate_by_tier", "load_seconds", "loaded_tokens", "written_tokens", "saved_prefill_s",
+                 "prefetched_tokens", "prefetch_seconds")
         return {**{k: getattr(self, k) for k in totals}, **stats, **{k: getattr(self, k) for k in tiers}}
 
 
@@ -234,7 +239,29 @@ class Replica:
             strides = max(1, min(strides, math.ceil((self.feed.next_time() - self.now) / dt)))
         return strides if strides == 1 or self.scheduler.extend_decodes(decoding, strides - 1) else 1
 
+    def next_prefetch(self) -> float:
+        """When the scheduler's prefetcher has a context due next (``math.inf``: none, or no prefetcher)."""
+        prefetcher = self.scheduler.prefetcher
+        return math.inf if prefetcher is None else prefetcher.next_due()
+
+    def prefetch_idle(self) -> None:
+        """Idle (nothing waits or runs) when a context is due: the clock moves to then, the prefetch loads,
+        and the replica is busy copying for the loads' time (a request arriving meanwhile waits for it)."""
+        self.now = max(self.now, self.next_prefetch())
+        self.now += self._prefetch()
+
+    def _prefetch(self) -> float:
+        """The scheduler's due prefetches: their loads' seconds, counted apart from the admissions' loads."""
+        tokens = self.scheduler.prefetch()
+        if not tokens:
+            return 0.0
+        seconds = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
+        self.result.prefetched_tokens += tokens
+        self.result.prefetch_seconds += seconds
+        return seconds
+
     def step(self) -> None:
+        prefetch = self._prefetch()  # loads beside this step's, charged alike (only while nothing waits)
         batch = self.scheduler.schedule()
         for s in self.scheduler.newly_admitted:
             s.admitted = self.now
@@ -250,7 +277,7 @@ class Replica:
         if self.cache.tiers:  # this step's loads from the lower tiers (writes run beside the forward)
             loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
             self.result.load_seconds += loads
-            dt = self.cost.with_loads(dt, loads)
+            dt = self.cost.with_loads(dt, loads + prefetch)
         # a stride of steps where every running request decodes
         strides = self._strides(decoding, dt) if not chunks and len(decoding) == len(self.scheduler.running) else 1
         self.now += dt * strides

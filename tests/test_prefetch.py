@@ -1,0 +1,157 @@
+"""KVFlow's prefetch for agent sessions (``radixkv.scheduling.prefetch``): the pause predicted from the pauses
+seen, a context loaded back from the host tier before its session returns, and the prefetch staying soft
+(never while a request waits, never evicting, never counted as the session's return)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from radixkv import LLM, SamplingParams
+from radixkv.cache.base import CacheHints
+from radixkv.cache.radix import RadixCache
+from radixkv.cache.tiered import Tier, TieredCache
+from radixkv.memory import SlotAllocator
+from radixkv.scheduling import RequestState, Scheduler, make_policy
+from radixkv.scheduling.prefetch import Prefetcher
+from radixkv.sim import simulate
+from radixkv.stack import StackConfig, check_idle
+from radixkv.workloads.request import Request
+
+TOOL = CacheHints(session="A", stream=0, stop="tool_use")
+
+
+def test_the_predicted_pause_is_the_geometric_mean_of_those_seen_per_kind_of_finish():
+    p = Prefetcher(lead=lambda tokens: tokens / 100)
+    tokens = np.arange(50)
+    p.finished(tokens, None, TOOL, now=0.0)
+    assert p.predicted_pause(("tool_use", False)) is None and p.next_due() == math.inf  # nothing seen: no guess
+    p.returned(TOOL._replace(stop=None), now=1.0)  # back after 1 s
+    p.finished(tokens, None, TOOL, now=2.0)
+    p.returned(TOOL._replace(stop=None), now=102.0)  # back after 100 s
+    assert p.predicted_pause(("tool_use", False)) == pytest.approx(10.0)
+    assert p.predicted_pause(("tool_use", True)) is None and p.predicted_pause(("end_turn", False)) is None
+    p.finished(tokens, None, TOOL, now=200.0)
+    assert p.next_due() == pytest.approx(200.0 + 10.0 - 0.5)  # the load's lead: 50 tokens at 100 a second
+    assert p.due(209.0) == [] and [c.hints.session for c in p.due(209.5)] == ["A"]
+    assert p.due(1e9) == [] and p.next_due() == math.inf  # handed out once
+
+
+def test_only_sessions_that_end_in_a_tool_call_or_a_turn_are_expected_back():
+    p = Prefetcher()
+    p.finished(np.arange(5), None, CacheHints(stop="tool_use"), now=0.0)  # no session: nothing to wait for
+    p.finished(np.arange(5), None, CacheHints(session="B", stop="length"), now=0.0)
+    assert p.pending == {}
+    p.finished(np.arange(5), None, CacheHints(session="B", stream=1, stop="end_turn"), now=0.0)
+    p.finished(np.arange(5), None, CacheHints(session="B", stream=1, stop="stop"), now=1.0)  # says nothing
+    assert p.pending == {}
+
+
+# ------------------------------------------------------------------ the scheduler's prefetch
+def _stack(device: int, host: int, clock: list[float]) -> Scheduler:
+    cache = TieredCache(RadixCache(page_size=1), [Tier("host", RadixCache(page_size=1), SlotAllocator(host))],
+                        "write_back")
+    sched = Scheduler(cache, SlotAllocator(device), make_policy("fcfs"), max_running=8)
+    sched.clock = lambda: clock[0]
+    sched.prefetcher = Prefetcher()
+    return sched
+
+
+def _serve(sched: Scheduler, state: RequestState, stop: str) -> None:
+    sched.add(state)
+    batch = sched.schedule()
+    sched.commit(batch)
+    state.hints = state.hints._replace(stop=stop)
+    sched.finish(state, state.prompt)
+
+
+def _context(n: int) -> list[int]:
+    return list(range(1000, 1000 + n))
+
+
+def test_a_context_written_back_is_loaded_back_before_its_session_returns():
+    clock = [0.0]
+    sched = _stack(100, 200, clock)
+    _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
+    clock[0] = 4.0  # back after 4 s: the pause learned
+    _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    sched.allocator.free(sched.cache.evict(100))  # pressure: the whole context goes to the host tier
+    assert sched.cache.device.total_size == 0 and sched.cache.tiers[0].cache.total_size == 60
+    clock[0] = 7.0
+    assert sched.prefetch() == 0  # due 4 s after its finish, not yet
+    clock[0] = 8.0
+    other = RequestState(3, list(range(5000, 5010)))
+    sched.add(other)
+    assert sched.prefetch() == 0  # a request waits: no prefetch takes its memory
+    sched.withdraw({3})
+    assert sched.prefetch() == 60  # the context, back on the device before its session
+    assert sched.cache.device.match_prefix(_context(60)).length == 60
+    check_idle(sched.cache, sched.allocator)
+    clock[0] = 9.0
+    back = RequestState(4, _context(70), hints=TOOL._replace(stop=None))
+    sched.add(back)
+    sched.schedule()
+    assert back.hit_by_tier == {"device": 60}  # all of it found on the device, nothing loaded at admission
+
+
+def test_a_prefetch_never_evicts_and_is_not_taken_for_the_session_s_return():
+    clock = [0.0]
+    sched = _stack(100, 200, clock)
+    _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
+    clock[0] = 4.0
+    _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    sched.allocator.free(sched.cache.evict(100))
+    filler = sched.allocator.alloc(50)  # 50 slots left free: fewer than the 60 to load
+    sched.cache.insert(np.arange(50), filler)
+    clock[0] = 20.0
+    assert sched.prefetch() == 0 and sched.cache.device.total_size == 50  # nothing evicted for it
+    assert sched.prefetcher.due(1e9) == []  # handed out once, loaded or not
+    assert ("A", 0) in sched.prefetcher.pending  # still waiting for the session's own return to learn from
+    sched.cache.check_invariants()
+
+
+# ------------------------------------------------------------------ the simulator and the engine
+def _loop_and_crowd() -> list[Request]:
+    """Session A in a tool loop (28 s pauses); B's long prompt pushes A's context down to the host tier while
+    A waits for its tool, and C's evicts B's (a turn's end goes first), leaving room before A returns."""
+    reqs, prompt = [], np.arange(1000, 1768)
+    for i in range(4):
+        out = np.arange(-100 * (i + 1), -100 * (i + 1) - 16, -1)
+        reqs.append(Request(0.0, "A", prompt, 16, output=out, parent=i - 1 if i else None, think_time=28.0 * bool(i),
+                            meta={"stream": 0, "stop": "tool_use"}))
+        prompt = np.concatenate([prompt, out, np.arange(5000 + 64 * i, 5064 + 64 * i)])
+    reqs.append(Request(35.0, "B", np.arange(20000, 22300), 16, meta={"stream": 0, "stop": "end_turn"}))
+    reqs.append(Request(45.0, "C", np.arange(30000, 31500), 16, meta={"stream": 0, "stop": "end_turn"}))
+    return reqs
+
+
+def test_the_simulator_prefetches_a_context_the_host_took_before_its_session_returns():
+    common = dict(capacity_tokens=3072, host_capacity_tokens=8192, page_size=64, write_policy="write_back",
+                  schedule_policy="session", eviction_policy="session")
+    plain, fetched = (simulate(_loop_and_crowd(), prefetch=p, **common) for p in (False, True))
+    assert plain.prefetched_tokens == 0 and plain.summary()["prefetch_seconds"] == 0.0
+    assert plain.per_request[2]["hit_by_tier"] == {"device": 0, "host": 832}  # A's third request loads
+    assert fetched.per_request[2]["hit_by_tier"] == {"device": 832}  # prefetched while the replica was idle
+    assert fetched.prefetched_tokens == 832 and fetched.prefetch_seconds > 0
+    assert fetched.per_request[2]["ttft"] < plain.per_request[2]["ttft"]  # its load was off its path
+    assert fetched.hit_rate == plain.hit_rate and fetched.config["prefetch"] is True
+    assert fetched.config["prefetcher"]["pause_tool_use_main"] == pytest.approx(28.0, rel=0.05)
+
+
+def test_prefetch_needs_a_lower_tier():
+    with pytest.raises(ValueError, match="prefetch loads from a host"):
+        StackConfig(prefetch=True)
+    with pytest.raises(ValueError, match="prefetch loads from a host"):
+        LLM("tiny-random", kv_cache_tokens=512, prefetch=True)
+
+
+def test_the_engine_prefetches_with_the_same_greedy_tokens():
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8]]
+    want = LLM("tiny-random", kv_cache_tokens=512).generate(prompts, SamplingParams(4))
+    llm = LLM("tiny-random", kv_cache_tokens=512, host_kv_cache_tokens=512, prefetch=True)
+    assert llm.scheduler.prefetcher is not None
+    got = llm.generate(prompts, [SamplingParams(4, session=s) for s in ("a", "a", "b")])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    check_idle(llm.cache, llm.allocator)
