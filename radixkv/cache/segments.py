@@ -201,10 +201,11 @@ class ChainTier(SegmentTier):
     the device's ``start`` tokens demoted again), keeps what the tier covers and hangs only the rest below the
     chain's last piece, in that piece's namespace. Each token is kept once and a context ages as one chain.
 
-    On the agentic trace (``llama3-70b-8xh100``, radix page 64, ``write_back``; docs/agentic.md, *Sessions
-    at the cliff*) it is the better layout at 64 sessions (4M + 4M, ``session``: 7.84 s mean TTFT against
-    10.11 s) and the worse at 16 (1M + 1M: 5.18 s against 4.09 s), where contexts of up to 890k tokens fill
-    most of each tier; why it loses there is not isolated. Radix only, as ``SegmentTier``."""
+    On the agentic trace (``llama3-70b-8xh100``, radix page 64, ``write_back``, ``session``; docs/agentic.md,
+    *Sessions at the cliff*) it is the better layout at 64 sessions (4M + 4M: 7.84 s mean TTFT against 10.11
+    s) and the worse at 16 (1M + 1M: 5.18 s against 4.09 s) in the first arrival order, and within 3% of
+    ``segments`` at both in a second (3.17 s against 3.11 s, 5.12 against 5.29): the replays near the cliff
+    turn on small differences of timing. Radix only, as ``SegmentTier``."""
 
     def __init__(self, name: str, cache: PrefixCache, allocator: SlotAllocator, shared: bool = False,
                  buffer: Any = None, node_tokens: int = 1024):
