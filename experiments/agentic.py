@@ -194,7 +194,8 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
                        host_layout=config.get("host_layout", "prefix"), prefetch=config.get("prefetch", False),
                        **common)
         rows = res.per_request
-        learned = {"eviction": res.config["eviction"]}  # the session policy's learned holds, for one
+        # the session policy's learned holds, for one; the prefetch's predicted pauses
+        learned = {k: res.config[k] for k in ("eviction", "prefetcher") if k in res.config}
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
             **learned, "seconds": time.perf_counter() - t0}
 

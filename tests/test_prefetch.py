@@ -112,25 +112,41 @@ def test_a_prefetch_never_evicts_and_is_not_taken_for_the_session_s_return():
     sched.cache.check_invariants()
 
 
+def test_a_prefetch_of_a_context_the_device_holds_looks_nothing_up():
+    """Nothing to load: the cache is not touched (no lookup counted, no recency or hit count moved)."""
+    clock = [0.0]
+    sched = _stack(100, 200, clock)
+    _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
+    clock[0] = 4.0
+    _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    before = (sched.cache.stats(), sched.cache.device.to_dict())
+    clock[0] = 9.0
+    assert sched.prefetch() == 0 and sched.prefetcher.prefetched == 1  # due, handed out, nothing to do
+    assert (sched.cache.stats(), sched.cache.device.to_dict()) == before
+
+
 # ------------------------------------------------------------------ the simulator and the engine
-def _loop_and_crowd() -> list[Request]:
+def _loop_and_crowd(pauses=(28.0, 28.0, 28.0), c_prompt: int = 1500, c_output: int = 16) -> list[Request]:
     """Session A in a tool loop (28 s pauses); B's long prompt pushes A's context down to the host tier while
     A waits for its tool, and C's evicts B's (a turn's end goes first), leaving room before A returns."""
     reqs, prompt = [], np.arange(1000, 1768)
-    for i in range(4):
+    for i, pause in enumerate((0.0, *pauses)):
         out = np.arange(-100 * (i + 1), -100 * (i + 1) - 16, -1)
-        reqs.append(Request(0.0, "A", prompt, 16, output=out, parent=i - 1 if i else None, think_time=28.0 * bool(i),
+        reqs.append(Request(0.0, "A", prompt, 16, output=out, parent=i - 1 if i else None, think_time=pause,
                             meta={"stream": 0, "stop": "tool_use"}))
         prompt = np.concatenate([prompt, out, np.arange(5000 + 64 * i, 5064 + 64 * i)])
     reqs.append(Request(35.0, "B", np.arange(20000, 22300), 16, meta={"stream": 0, "stop": "end_turn"}))
-    reqs.append(Request(45.0, "C", np.arange(30000, 31500), 16, meta={"stream": 0, "stop": "end_turn"}))
+    reqs.append(Request(45.0, "C", np.arange(30000, 30000 + c_prompt), c_output,
+                        meta={"stream": 0, "stop": "end_turn"}))
     return reqs
 
 
+TIERED = dict(capacity_tokens=3072, host_capacity_tokens=8192, page_size=64, write_policy="write_back",
+              schedule_policy="session", eviction_policy="session")
+
+
 def test_the_simulator_prefetches_a_context_the_host_took_before_its_session_returns():
-    common = dict(capacity_tokens=3072, host_capacity_tokens=8192, page_size=64, write_policy="write_back",
-                  schedule_policy="session", eviction_policy="session")
-    plain, fetched = (simulate(_loop_and_crowd(), prefetch=p, **common) for p in (False, True))
+    plain, fetched = (simulate(_loop_and_crowd(), prefetch=p, **TIERED) for p in (False, True))
     assert plain.prefetched_tokens == 0 and plain.summary()["prefetch_seconds"] == 0.0
     assert plain.per_request[2]["hit_by_tier"] == {"device": 0, "host": 832}  # A's third request loads
     assert fetched.per_request[2]["hit_by_tier"] == {"device": 832}  # prefetched while the replica was idle
@@ -140,6 +156,25 @@ def test_the_simulator_prefetches_a_context_the_host_took_before_its_session_ret
     assert fetched.config["prefetcher"]["pause_tool_use_main"] == pytest.approx(28.0, rel=0.05)
 
 
+def test_a_prefetch_during_a_decode_stride_loads_when_due_and_costs_its_copy_once():
+    """C decodes 1,500 tokens alone (one stride of steps) while A's context falls due: the stride stops there,
+    the copy is charged to that one step (not to every step of the stride), and A comes back to a device hit."""
+    reqs = _loop_and_crowd(pauses=(28.0, 100.0, 28.0), c_prompt=100, c_output=1500)
+    plain, fetched = (simulate(reqs, prefetch=p, **TIERED) for p in (False, True))
+    assert fetched.prefetched_tokens == 832 and fetched.per_request[2]["hit_by_tier"] == {"device": 832}
+    c_plain, c_fetched = plain.per_request[5], fetched.per_request[5]
+    assert c_fetched["finish"] - c_plain["finish"] == pytest.approx(fetched.prefetch_seconds, rel=1e-6)
+
+
+def test_a_context_long_overdue_is_dropped_and_no_tokens_are_kept_before_a_pause_is_known():
+    p = Prefetcher()
+    p.finished(np.arange(50), None, TOOL, now=0.0)
+    assert p.pending[("A", 0)].tokens is None  # nothing will prefetch it: nothing held
+    p.returned(TOOL._replace(stop=None), now=10.0)
+    p.finished(np.arange(50), None, TOOL, now=20.0)  # due at 30, worth it until 40
+    assert p.due(41.0) == [] and p.next_due() == math.inf and p.prefetched == 0
+
+
 def test_prefetch_needs_a_lower_tier():
     with pytest.raises(ValueError, match="prefetch loads from a host"):
         StackConfig(prefetch=True)
@@ -147,11 +182,25 @@ def test_prefetch_needs_a_lower_tier():
         LLM("tiny-random", kv_cache_tokens=512, prefetch=True)
 
 
-def test_the_engine_prefetches_with_the_same_greedy_tokens():
-    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8]]
-    want = LLM("tiny-random", kv_cache_tokens=512).generate(prompts, SamplingParams(4))
-    llm = LLM("tiny-random", kv_cache_tokens=512, host_kv_cache_tokens=512, prefetch=True)
-    assert llm.scheduler.prefetcher is not None
-    got = llm.generate(prompts, [SamplingParams(4, session=s) for s in ("a", "a", "b")])
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+def test_the_engine_prefetches_the_kv_back_exactly():
+    """The engine's step runs a due prefetch through its mover: the context it copied back from the host
+    tier is the device's again, and the next request reading it generates what a fresh engine does."""
+    llm = LLM("tiny-random", kv_cache_tokens=512, host_kv_cache_tokens=1024, write_policy="write_back",
+              prefetch=True)
+    prompt = list(range(1, 201))
+    first = llm.generate([prompt], SamplingParams(4))[0]
+    context = np.array(prompt + first.token_ids[:-1])
+    llm.allocator.free(llm.cache.evict(llm.cache.evictable_size))  # the device drops it: the host keeps it
+    assert llm.cache.device.total_size == 0 and llm.cache.tiers[0].cache.total_size == len(context)
+    # the session went to a tool call: one return seen after 10 s, and it went again 12 s ago (due 2 s ago)
+    now, tool = llm.scheduler.clock(), CacheHints(request=first.request_id, session="s", stream=0, stop="tool_use")
+    prefetcher = llm.scheduler.prefetcher
+    prefetcher.finished(context, None, tool, now - 30.0)
+    prefetcher.returned(tool, now - 20.0)
+    prefetcher.finished(context, None, tool, now - 12.0)
+    assert llm.step() == [] and llm.cache.device.held_length(context) == len(context)
     check_idle(llm.cache, llm.allocator)
+    follow = list(context) + [7, 8, 9]
+    got = llm.generate([follow], SamplingParams(4, session="s"))[0]
+    want = LLM("tiny-random", kv_cache_tokens=512).generate([follow], SamplingParams(4))[0]
+    assert got.num_cached_tokens == len(context) and got.token_ids == want.token_ids

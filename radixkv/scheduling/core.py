@@ -164,16 +164,22 @@ class Scheduler:
         if self.prefetcher is None or self.waiting:
             return 0
         due = self.prefetcher.due(self.clock())  # handed out even where nothing can load (no tier): never again
-        return sum(self._prefetch(c.tokens, c.namespace) for c in due) if self.cache.tiers else 0
+        return sum(self._prefetch(c.tokens, c.namespace, c.hints) for c in due) if self.cache.tiers else 0
 
-    def _prefetch(self, tokens: np.ndarray, namespace: Hashable) -> int:
-        """Load what the lower tiers hold of ``tokens`` past the device's match into free slots; nothing when
-        fewer are free. The tokens loaded. Its lookups carry no hints: a prefetch is no request, and a policy
-        must not take it for the session's return."""
-        m = self.cache.match_prefix(tokens, namespace)
+    def _prefetch(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints) -> int:
+        """Load what the lower tiers hold of ``tokens`` past the device's match into free slots: the tokens
+        loaded. Nothing is looked up (so nothing is refreshed) unless the device lacks some of ``tokens`` and
+        has the free slots for all it lacks. The lookups are the finished request's (``hints.request``) and
+        carry nothing else: no policy takes them for a reuse of what that request left, or for the
+        session's return."""
+        missing = len(tokens) - self.cache.held_length(tokens, namespace)  # touches nothing
+        if missing <= 0 or self.allocator.num_free < missing:
+            return 0
+        own = CacheHints(request=hints.request)
+        m = self.cache.match_prefix(tokens, namespace, own)
         self.cache.lock(m.node)
         try:
-            plan = self.cache.plan_load(tokens, m, namespace)
+            plan = self.cache.plan_load(tokens, m, namespace, own)
             n = plan.length
             if not n or self.allocator.num_free < n:
                 self.cache.cancel(plan)

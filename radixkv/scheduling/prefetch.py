@@ -13,10 +13,14 @@ priced by the bandwidth it uses), the context is *due*, and ``Scheduler.prefetch
 tiers hold of it past the device's match back to the device.
 
 Soft, like every hint: the scheduler prefetches only while no request waits and only into free device
-slots (a prefetch evicts nothing), and what it loads is an ordinary unlocked cache entry that any admission
-may evict again; a session that came back before its prefetch loads what it needs itself. A context's
-tokens are kept here only until its prefetch is due (then only when and how it finished, to learn the
-pause). O(log n) per finish, return and due context.
+slots (a prefetch evicts nothing), looks nothing up unless the device lacks part of the context and has the
+free slots for all of it, and what it loads is an ordinary unlocked cache entry (ranked as just used: the
+prefetch's bet that its session comes back first) that any admission may evict again. A session that came
+back before its prefetch loads what it needs itself; a context still not loaded a predicted pause after it
+fell due (the scheduler was busy all along) is dropped. A context's tokens are kept here only from a finish
+whose pause can be predicted until its prefetch is due (otherwise only when and how it finished, to learn
+the pause). Contexts are per replica: a router that does not keep sessions on one sends their returns
+elsewhere. O(log n) per finish, return and due context.
 
 Args:
     lead: seconds to load a context of that many tokens (None: 0, prefetch at the predicted return).
@@ -40,9 +44,10 @@ PREDICTED = (TOOL_USE, END_TURN)  # the finishes after which a session is expect
 
 @dataclass
 class Context:
-    """What a finished request of a stream left: its cached ``tokens`` (None once its prefetch was due), their
-    ``namespace``, its ``hints``, when it finished, the kind of pause that follows (stop, sub-agent?) and
-    which item of the due heap is its own (``tie``; 0: none, no pause of its kind seen yet)."""
+    """What a finished request of a stream left: its cached ``tokens`` (None when no pause of its kind was seen
+    yet, and once its prefetch was due), their ``namespace``, its ``hints``, when it finished, the kind of
+    pause that follows (stop, sub-agent?), which item of the due heap is its own (``tie``; 0: none) and when
+    a prefetch stops being worth it (``stale``: a predicted pause past its due time)."""
 
     tokens: np.ndarray | None
     namespace: Hashable
@@ -50,6 +55,7 @@ class Context:
     finished: float
     kind: tuple[str, bool]
     tie: int = 0
+    stale: float = math.inf
 
 
 class Prefetcher:
@@ -84,12 +90,14 @@ class Prefetcher:
         if len(self.pending) >= PENDING_MAX:  # streams that never came back: forget the older half
             for old in sorted(self.pending, key=lambda k: self.pending[k].finished)[: PENDING_MAX // 2]:
                 del self.pending[old]
-        context = self.pending[key] = Context(tokens, namespace, hints, now, (hints.stop, bool(hints.stream)))
-        pause = self.predicted_pause(context.kind)
-        if pause is not None:
+        kind = (hints.stop, bool(hints.stream))
+        pause = self.predicted_pause(kind)
+        context = self.pending[key] = Context(None, namespace, hints, now, kind)  # kept to learn its pause
+        if pause is not None:  # the tokens only where a prefetch will come
             self._tie += 1
-            context.tie = self._tie
-            heapq.heappush(self._due, (now + pause - self.lead(len(tokens)), self._tie, key))
+            due = now + pause - self.lead(len(tokens))
+            context.tokens, context.tie, context.stale = tokens, self._tie, due + pause
+            heapq.heappush(self._due, (due, self._tie, key))
 
     def returned(self, hints: CacheHints, now: float) -> None:
         """A request of ``hints.session`` (stream ``hints.stream``) arrived: the pause since that stream's last
@@ -107,14 +115,16 @@ class Prefetcher:
         return self._due[0][0] if self._due else math.inf
 
     def due(self, now: float) -> list[Context]:
-        """The contexts due by ``now``, earliest first, each handed out once (its tokens kept no longer here).
-        O(k log n) for k due."""
+        """The contexts due by ``now``, earliest first, each handed out once (its tokens kept no longer here);
+        one a predicted pause past its due time (the scheduler was busy all along) is dropped instead: its
+        session is as likely back, or gone, as anything. O(k log n) for k due."""
         out = []
         while self.next_due() <= now:
             context = self.pending[heapq.heappop(self._due)[2]]
-            out.append(replace(context))
+            if now <= context.stale:
+                out.append(replace(context))
+                self.prefetched += 1
             context.tokens = None
-            self.prefetched += 1
         return out
 
     def _current(self, item: tuple[float, int, Hashable]) -> bool:

@@ -232,11 +232,13 @@ class Replica:
             self.on_finish(run, self.index, seq)
 
     def _strides(self, decoding: list[Running], dt: float) -> int:
-        """How many decode-only steps to take at once: until one finishes or the next request arrives,
-        with the KV for all of them allocated now (one step when that would need an eviction)."""
+        """How many decode-only steps to take at once: until one finishes, the next request arrives or the next
+        context is due back, with the KV for all of them allocated now (one step when that would need an
+        eviction)."""
         strides = min(s.req.output_len - s.generated for s in decoding)
-        if self.feed.pending and dt > 0:
-            strides = max(1, min(strides, math.ceil((self.feed.next_time() - self.now) / dt)))
+        until = min(self.feed.next_time() if self.feed.pending else math.inf, self.next_prefetch())
+        if until < math.inf and dt > 0:  # the next arrival, or the next context due back (``prefetch``)
+            strides = max(1, min(strides, math.ceil((until - self.now) / dt)))
         return strides if strides == 1 or self.scheduler.extend_decodes(decoding, strides - 1) else 1
 
     def next_prefetch(self) -> float:
@@ -279,7 +281,9 @@ class Replica:
             self.result.load_seconds += loads
             dt = self.cost.with_loads(dt, loads + prefetch)
         # a stride of steps where every running request decodes
-        strides = self._strides(decoding, dt) if not chunks and len(decoding) == len(self.scheduler.running) else 1
+        # (not when a prefetch's copy is in the step: its time is the first step's alone)
+        stride = not chunks and not prefetch and len(decoding) == len(self.scheduler.running)
+        strides = self._strides(decoding, dt) if stride else 1
         self.now += dt * strides
         self.result.steps.append((tokens, pairs, len(decoding), strides))
         self.scheduler.commit(batch, decode_tokens=strides)
