@@ -71,12 +71,19 @@ def _context(n: int) -> list[int]:
     return list(range(1000, 1000 + n))
 
 
-def test_a_context_written_back_is_loaded_back_before_its_session_returns():
-    clock = [0.0]
+def _looped(clock: list[float]) -> Scheduler:
+    """A scheduler (100 device, 200 host slots) after session A's two tool calls, 4 s apart: its 60-token
+    context is due back 4 s after the second finish (at about 8 s), and worth loading until about 12 s."""
     sched = _stack(100, 200, clock)
     _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
-    clock[0] = 4.0  # back after 4 s: the pause learned
+    clock[0] = 4.0
     _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    return sched
+
+
+def test_a_context_written_back_is_loaded_back_before_its_session_returns():
+    clock = [0.0]
+    sched = _looped(clock)
     sched.allocator.free(sched.cache.evict(100))  # pressure: the whole context goes to the host tier
     assert sched.cache.device.total_size == 0 and sched.cache.tiers[0].cache.total_size == 60
     clock[0] = 7.0
@@ -98,16 +105,13 @@ def test_a_context_written_back_is_loaded_back_before_its_session_returns():
 
 def test_a_prefetch_never_evicts_and_is_not_taken_for_the_session_s_return():
     clock = [0.0]
-    sched = _stack(100, 200, clock)
-    _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
-    clock[0] = 4.0
-    _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    sched = _looped(clock)
     sched.allocator.free(sched.cache.evict(100))
     filler = sched.allocator.alloc(50)  # 50 slots left free: fewer than the 60 to load
     sched.cache.insert(np.arange(50), filler)
-    clock[0] = 20.0
+    clock[0] = 9.0
     assert sched.prefetch() == 0 and sched.cache.device.total_size == 50  # nothing evicted for it
-    assert sched.prefetcher.due(1e9) == []  # handed out once, loaded or not
+    assert sched.prefetcher.prefetched == 1 and sched.prefetcher.due(1e9) == []  # handed out once, not loaded
     assert ("A", 0) in sched.prefetcher.pending  # still waiting for the session's own return to learn from
     sched.cache.check_invariants()
 
@@ -115,10 +119,7 @@ def test_a_prefetch_never_evicts_and_is_not_taken_for_the_session_s_return():
 def test_a_prefetch_of_a_context_the_device_holds_looks_nothing_up():
     """Nothing to load: the cache is not touched (no lookup counted, no recency or hit count moved)."""
     clock = [0.0]
-    sched = _stack(100, 200, clock)
-    _serve(sched, RequestState(1, _context(40), hints=TOOL), "tool_use")
-    clock[0] = 4.0
-    _serve(sched, RequestState(2, _context(60), hints=TOOL), "tool_use")
+    sched = _looped(clock)
     before = (sched.cache.stats(), sched.cache.device.to_dict())
     clock[0] = 9.0
     assert sched.prefetch() == 0 and sched.prefetcher.prefetched == 1  # due, handed out, nothing to do
