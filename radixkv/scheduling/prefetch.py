@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.cache.base import CacheHints
-from radixkv.cache.eviction.session import END_TURN, PENDING_MAX, TOOL_USE
+from radixkv.cache.eviction.session import END_TURN, TOOL_USE, bound_pending
 
 PREDICTED = (TOOL_USE, END_TURN)  # the finishes after which a session is expected back
 
@@ -87,9 +87,7 @@ class Prefetcher:
         if hints.stop not in PREDICTED:
             self.pending.pop(key, None)  # nothing says when, or whether, it comes back
             return
-        if len(self.pending) >= PENDING_MAX:  # streams that never came back: forget the older half
-            for old in sorted(self.pending, key=lambda k: self.pending[k].finished)[: PENDING_MAX // 2]:
-                del self.pending[old]
+        bound_pending(self.pending, lambda context: context.finished)
         kind = (hints.stop, bool(hints.stream))
         pause = self.predicted_pause(kind)
         context = self.pending[key] = Context(None, namespace, hints, now, kind)  # kept to learn its pause

@@ -313,6 +313,7 @@ class _ClusterRun:
         self.replicas = [Replica(self.feed, s.scheduler, cost, i, self._finished, s.future)
                          for i, s in enumerate(stacks)]
         self.decisions = [-1] * len(requests)
+        self.prefetching = [rep for rep in self.replicas if rep.scheduler.prefetcher is not None]
         if isinstance(router, EventRouter):  # only event-fed routers pay for events
             for rep in self.replicas:
                 rep.cache.listener = self._listener(rep)
@@ -347,9 +348,10 @@ class _ClusterRun:
             busy = [rep for rep in self.replicas if rep.busy]
             t_step = min((rep.now for rep in busy), default=math.inf)
             t_feed = self.feed.next_time() if self.feed.pending else math.inf
-            idle = min((rep for rep in self.replicas if not rep.busy), default=None, key=Replica.next_prefetch)
-            if idle is not None and idle.next_prefetch() < min(t_feed, t_step) < math.inf:
-                idle.prefetch_idle()  # a context due on an idle replica loads now, before anything else comes
+            t_due, idle = min(((rep.next_prefetch(), rep.index) for rep in self.prefetching if not rep.busy),
+                              default=(math.inf, -1))
+            if t_due < min(t_feed, t_step) < math.inf:
+                self.replicas[idle].prefetch_idle()  # a context due on an idle replica loads now, before anything else
             elif self.feed.pending and t_feed <= t_step:
                 self._send()
             elif busy:

@@ -257,10 +257,14 @@ class Replica:
         tokens = self.scheduler.prefetch()
         if not tokens:
             return 0.0
-        seconds = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
+        seconds = self._load_seconds()
         self.result.prefetched_tokens += tokens
         self.result.prefetch_seconds += seconds
         return seconds
+
+    def _load_seconds(self) -> float:
+        """The seconds of the loads into the device since the last call (the copies down are not charged)."""
+        return sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
 
     def step(self) -> None:
         prefetch = self._prefetch()  # loads beside this step's, charged alike (only while nothing waits)
@@ -277,7 +281,7 @@ class Replica:
         pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
         dt = self.cost.step_time(tokens, pairs, len(decoding))
         if self.cache.tiers:  # this step's loads from the lower tiers (writes run beside the forward)
-            loads = sum(self.cost.load_time(c.src, len(c)) for c in self.cache.take_copies() if c.dst == DEVICE)
+            loads = self._load_seconds()
             self.result.load_seconds += loads
             dt = self.cost.with_loads(dt, loads + prefetch)
         # a stride of steps where every running request decodes

@@ -25,7 +25,7 @@ Args:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from radixkv.cache.base import CacheHints
@@ -35,6 +35,14 @@ from radixkv.cache.eviction.requests import TTL
 TOOL_USE, END_TURN = "tool_use", "end_turn"
 PENDING_MAX = 4096  # tool calls awaiting their session's return, at most
 COLD = -1.0  # ``entry.state`` of a path a turn ended on; a hold stores its end (> 0), 0 is unheld
+
+
+def bound_pending(pending: dict, since: Callable[[Any], float]) -> None:
+    """Keep a book of sessions awaited after a finish under ``PENDING_MAX``: once full, the older half (by
+    ``since(value)``, when each finished) goes: those that never came back. O(n log n) once per n/2 adds."""
+    if len(pending) >= PENDING_MAX:
+        for key in sorted(pending, key=lambda k: since(pending[k]))[: PENDING_MAX // 2]:
+            del pending[key]
 
 
 class ToolPauses:
@@ -108,9 +116,7 @@ class SessionRetention(TTL):
         if hints.stop == TOOL_USE:
             sub = bool(hints.stream)
             if hints.session is not None:
-                if len(self.pending) >= PENDING_MAX:  # sessions that never came back: forget the older half
-                    for key in sorted(self.pending, key=lambda k: self.pending[k][0])[: PENDING_MAX // 2]:
-                        del self.pending[key]
+                bound_pending(self.pending, lambda started: started[0])
                 self.pending[hints.session] = (self.clock(), sub)
             return self.clock() + self.hold_for(sub)
         if hints.stop:  # the answer ended otherwise: no tool call to wait for
