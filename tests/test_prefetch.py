@@ -16,7 +16,7 @@ from radixkv.cache.tiered import Tier, TieredCache
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import RequestState, Scheduler, make_policy
 from radixkv.scheduling.prefetch import Prefetcher
-from radixkv.sim import simulate
+from radixkv.sim import simulate, simulate_cluster
 from radixkv.stack import StackConfig, check_idle
 from radixkv.workloads.request import Request
 
@@ -174,6 +174,14 @@ def test_a_context_long_overdue_is_dropped_and_no_tokens_are_kept_before_a_pause
     p.returned(TOOL._replace(stop=None), now=10.0)
     p.finished(np.arange(50), None, TOOL, now=20.0)  # due at 30, worth it until 40
     assert p.due(41.0) == [] and p.next_due() == math.inf and p.prefetched == 0
+
+
+def test_a_cluster_prefetches_and_its_pooled_references_run_without_tiers():
+    """``simulate_cluster(prefetch=True)`` prefetches as ``simulate`` does, and its pooled references (one tier,
+    nothing below it) run without the prefetch (regression: they refused the setting)."""
+    res = simulate_cluster(_loop_and_crowd(), replicas=1, **TIERED, prefetch=True)
+    assert res.replicas[0].prefetched_tokens == 832
+    assert res.hit_rate <= res.references["pooled_lru"] <= res.references["upper_bound"] + 1e-12
 
 
 def test_prefetch_needs_a_lower_tier():

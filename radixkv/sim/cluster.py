@@ -261,13 +261,14 @@ def cluster_references(requests: Sequence[Request], replicas: int, capacity_toke
     bound, and one pooled cache of N x the capacity with N x the compute (a cost model N times faster, N x
     ``max_running``), under LRU and (radix only, ``clairvoyant=True``) each policy that needs the future
     (``pooled_<name>``: Belady's ``pooled_belady``). With host or
-    storage tiers the pooled cache is one tier holding all of their memory (``pooled_tokens``)."""
+    storage tiers the pooled cache is one tier holding all of their memory (``pooled_tokens``), with nothing to
+    prefetch from."""
     if capacity_tokens is not None:
         settings["capacity_tokens"] = capacity_tokens
     config, _ = sim_config(config, settings)
     pooled = settings_from(config, max_running=config.max_running * replicas, capacity_tokens=None
                            if config.capacity_tokens is None else pooled_tokens(config, replicas),
-                           host_capacity_tokens=None, storage_capacity_tokens=None)
+                           host_capacity_tokens=None, storage_capacity_tokens=None, prefetch=False)
     faster = (cost_model or CostModel()).scaled(replicas)
     requests = checked_requests(requests, False)
     out = {"upper_bound": upper_bound(requests, page_size=config.kv_page_size)}
