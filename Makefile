@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # torch is pinned to the local CPU wheel: an unpinned torch pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench bench-engine figures gpu-check clean
+.PHONY: install demo test test-avx2 notebooks lint bench bench-engine figures gpu-check clean
 
 install:
 	# torch first and again beside the package: the pin holds even where a dependency would pull a newer one
@@ -23,6 +23,18 @@ test: install
 	$(PYTHON) -m pytest -q
 	$(PYTHON) -m pytest -q --doctest-modules radixkv
 	$(PYTHON) -m pytest -q --nbmake notebooks
+
+# The kernels', batch invariance's and the engine's tests again as an AVX2-only CPU (AMD Zen 2 and 3, Intel client
+# chips) runs them, on any x86 CPU: radixkv's ceiling (radixkv/cpu/capabilities.py), ATen's and oneDNN's.
+AVX2_CAP := RADIXKV_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+test-avx2: install
+	$(AVX2_CAP) $(PYTHON) -m pytest -q tests/test_kernels.py tests/test_batch_invariant.py tests/test_engine.py
+
+# JupyterLab on the notebooks folder, on loopback only (http://127.0.0.1:8888, the token in its log).
+notebooks: install
+	$(PIP) install -q -e ".[notebooks]" "$(TORCH_SPEC)"
+	# --allow-root: these machines run as root; the server still listens on loopback only
+	$(PYTHON) -m jupyterlab --ip 127.0.0.1 --no-browser --allow-root --ServerApp.root_dir=notebooks
 
 lint:
 	$(PYTHON) -m ruff check radixkv experiments tests

@@ -30,7 +30,7 @@ from radixkv.cache.tiers import REPORTED
 from radixkv.checks import is_real
 from radixkv.config import EngineConfig, SamplingParams
 from radixkv.cost import CostModel, StepRecord
-from radixkv.forward import build_forward
+from radixkv.forward import build_forward, pool_zeros
 from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
 from radixkv.kv_transfer import TierMemory
@@ -127,7 +127,8 @@ class LLM:
         # CUDA graphs' padding rows write to a page of their own, the pool's last, which no request is given
         pad = cfg.kv_page_size if cfg.cuda_graphs and torch.device(cfg.device).type == "cuda" else 0
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots=tokens // cfg.kv_page_size
-                           * cfg.kv_page_size + pad, page_size=cfg.kv_page_size, dtype=dtype, device=cfg.device)
+                           * cfg.kv_page_size + pad, page_size=cfg.kv_page_size, dtype=dtype, device=cfg.device,
+                           zeros=pool_zeros(cfg.device, dtype, cfg.attention_backend))
         self.config = cfg = self._host_sized(hicache_ratio)
         self.memory = TierMemory(self.pool)  # each lower tier's KV buffer, made as build_stack builds the tier
         stack = build_stack(cfg.stack, self.pool.num_slots - pad, memory=self.memory)

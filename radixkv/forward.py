@@ -13,6 +13,8 @@ neither imports the other back.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from radixkv.attention.backends import make_backend
@@ -25,8 +27,24 @@ from radixkv.model.llama import LlamaForCausalLM
 def takes_cpu_path(pool: KVPool, attention_backend: str) -> bool:
     """Whether ``build_forward`` serves this pool through ``radixkv.cpu``: a pool on the CPU with
     ``attention_backend="cpu"``, or a 16-bit one with ``auto`` (float32 stays on the plain path, the oracle)."""
-    return pool.device.type == "cpu" and (
-        attention_backend == "cpu" or (attention_backend == "auto" and pool.dtype != torch.float32))
+    return _cpu_path(pool.device, pool.dtype, attention_backend)
+
+
+def _cpu_path(device: str | torch.device, dtype: torch.dtype, attention_backend: str) -> bool:
+    return torch.device(device).type == "cpu" and (
+        attention_backend == "cpu" or (attention_backend == "auto" and dtype != torch.float32))
+
+
+def pool_zeros(device: str | torch.device, dtype: torch.dtype,
+               attention_backend: str) -> Callable[[Sequence[int], torch.dtype], torch.Tensor] | None:
+    """The allocator to build a KV pool with (``KVPool(zeros=...)``) so that ``build_forward`` keeps it where
+    it is: the CPU path's huge-page memory (``radixkv.cpu.hugepages.zeros``, zero until written, so a pool of
+    gigabytes costs no time to build); None (``torch.zeros``) elsewhere."""
+    if not _cpu_path(device, dtype, attention_backend):
+        return None
+    from radixkv.cpu import hugepages  # lazy: only this path loads the CPU speed-ups
+
+    return hugepages.zeros
 
 
 def build_forward(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "auto",

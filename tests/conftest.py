@@ -27,7 +27,8 @@ def avx2_kernels():
 
     if reason := cpu_kernels_unavailable_reason():
         pytest.skip(f"CPU kernels unavailable: {reason}")
-    kernels = load_cpu_kernels()
-    if not kernels.has_avx2():
-        pytest.skip("small_linear and coded_linear are AVX2 kernels")
-    return kernels
+    from radixkv.cpu.capabilities import cpu_capabilities
+
+    if not cpu_capabilities().avx2:
+        pytest.skip(f"small_linear and coded_linear are AVX2 kernels; this CPU: {cpu_capabilities().isa}")
+    return load_cpu_kernels()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixkv.cpu.capabilities import cpu_capabilities
 from radixkv.cpu.coded import BLOCK, Q4Rows, dequantize, q4_1_tensors, rebuilds_exactly
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -100,7 +101,7 @@ def test_coded_linear_gives_small_linears_bits(avx2_kernels, dtype, k, bias):
     chains. On AVX-512 BF16 CPUs small_linear multiplies bfloat16 blocks of 4 rows in BF16 dot products
     (other bits), which coded_linear does not: there those rows only agree to rounding (the engine uses the
     codes for at most PackedLinear.CODED_ROWS rows, fewer than a block)."""
-    dot_products = avx2_kernels.has_avx512_bf16() and dtype == torch.bfloat16
+    dot_products = cpu_capabilities().avx512_bf16 and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(k)
     n = 24
     codes, d, m = _random_q4(n, k, gen)

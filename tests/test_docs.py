@@ -68,3 +68,16 @@ def test_code_and_docstrings_name_no_issue_numbers():
     files = [p for folder in ("radixkv", "experiments", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")]
     hits = [f"{p}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
+
+
+def test_make_notebooks_opens_the_notebooks_folder_on_loopback():
+    """The README sends users to the notebooks: ``make notebooks`` installs JupyterLab (the ``notebooks`` extra)
+    and serves notebooks/ on 127.0.0.1 only."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and later")
+    root = DOCS.parent
+    target = re.search(r"^notebooks:.*?(?=^\S|\Z)", (root / "Makefile").read_text(), re.S | re.M).group(0)
+    assert '".[notebooks]"' in target and "jupyterlab" in target
+    assert "--ip 127.0.0.1" in target and "root_dir=notebooks" in target
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("jupyterlab") for dep in extras["notebooks"])
+    assert "make notebooks" in (root / "README.md").read_text()

@@ -15,6 +15,7 @@ from attention_cases import dense_attention, make_case
 
 from radixkv import LLM, SamplingParams
 from radixkv.attention import AttentionBatch, TorchReferenceBackend, make_backend
+from radixkv.cpu.capabilities import cpu_capabilities
 from radixkv.memory.kv_pool import KVPool
 
 CASES = {
@@ -280,8 +281,8 @@ def test_decode_reads_scattered_slots(kernels, dtype, tol):
 def test_small_linear_matches_float32_linear(kernels, dtype, tol, rows, bias):
     """Decode-sized linear layers from 8-column weight tiles: float32 arithmetic, rounded once."""
     k = kernels
-    if not k.has_avx2():
-        pytest.skip("small_linear needs AVX2")
+    if not cpu_capabilities().avx2:
+        pytest.skip(f"small_linear needs AVX2; this CPU: {cpu_capabilities().isa}")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 37, generator=g).to(dtype)  # K = 37: a remainder after every unroll factor
     w = torch.randn(24, 37, generator=g).to(dtype)
@@ -300,8 +301,8 @@ def test_small_linear_in_groups_of_tiles_matches_float32_and_each_block_of_four_
     CPU has them and the width is a multiple of 4); a block's outputs are the same bits alone as inside a
     larger batch, and the rows past the last block go tile by tile."""
     k = kernels
-    if not k.has_avx2():
-        pytest.skip("small_linear needs AVX2")
+    if not cpu_capabilities().avx2:
+        pytest.skip(f"small_linear needs AVX2; this CPU: {cpu_capabilities().isa}")
     g = torch.Generator().manual_seed(n * rows)
     x = torch.randn(rows, width, generator=g).to(torch.bfloat16)
     w = torch.randn(n, width, generator=g).to(torch.bfloat16)
@@ -318,8 +319,8 @@ def test_small_linear_in_groups_of_tiles_matches_float32_and_each_block_of_four_
 def test_small_linear_rounds_to_nearest_even_in_bfloat16(kernels):
     """An identity weight returns x exactly; halfway sums round to even as c10::BFloat16 does."""
     k = kernels
-    if not k.has_avx2():
-        pytest.skip("small_linear needs AVX2")
+    if not cpu_capabilities().avx2:
+        pytest.skip(f"small_linear needs AVX2; this CPU: {cpu_capabilities().isa}")
     x = torch.randn(3, 16).to(torch.bfloat16)
     eye = torch.eye(16, dtype=torch.bfloat16)
     assert torch.equal(k.small_linear(x, eye.view(2, 8, 16).transpose(1, 2).contiguous(), None), x)
@@ -366,10 +367,11 @@ def test_decode_batches_take_small_linear_whichever_dtype_onednn_multiplies_in(k
     1-8 rows is slower per decode step): same outputs, up to 16-bit rounding, as float32."""
     import radixkv.cpu.linear as linear
 
-    if not kernels.has_avx2():
-        pytest.skip("the CPU kernels were built without their AVX2 path")
-    if compute == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU")
+    caps = cpu_capabilities()
+    if not caps.avx2:
+        pytest.skip(f"small_linear needs AVX2; this CPU: {caps.isa}")
+    if caps.compute_dtype(compute) != compute:
+        pytest.skip(f"oneDNN cannot multiply {compute} natively on this CPU ({caps.isa})")
     monkeypatch.setattr(linear, "linear_compute_dtype", lambda model: compute)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=True)).to(torch.bfloat16)

@@ -237,3 +237,24 @@ def test_a_gguf_file_is_parsed_once_and_its_kept_copy_stays_float32():
     assert next(again.model.parameters()).dtype == torch.float32
     for a, b in zip(first.model.parameters(), again.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_hf_state_dict_equals_loading_then_casting(dtype):
+    """Building straight from a state dict (the GGUF loader's path) gives every parameter and buffer the bits and
+    dtype of the model built, loaded and cast with Module.to: RoPE's inv_freq in the model's dtype too."""
+    from radixkv.model.llama import LlamaConfig, LlamaForCausalLM
+
+    hf = load_model("tiny-random", keep_hf=True).hf_model
+    state = {k: v.float() for k, v in hf.state_dict().items()}
+    cfg = LlamaConfig.from_hf(hf.config)
+    cast = LlamaForCausalLM(cfg)
+    cast.load_hf_state_dict(state)
+    cast = cast.to(dtype)
+    direct = LlamaForCausalLM.from_hf_state_dict(cfg, state, dtype)
+    want = dict(cast.state_dict(keep_vars=True)) | dict(cast.named_buffers())
+    got = dict(direct.state_dict(keep_vars=True)) | dict(direct.named_buffers())
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert all(v.data_ptr() != state[k].data_ptr() for k, v in direct.state_dict().items() if k in state)

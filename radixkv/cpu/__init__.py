@@ -41,7 +41,7 @@ def accelerate(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "
     """Serve ``model`` over ``pool`` as fast as this CPU allows: the forward to call and the attention backend.
 
     Packs the model's linear layers in place (``pack_linears``), moves the
-    pool into huge pages (``KVPool.reallocate``, keeping its contents), and
+    pool into huge pages (``KVPool.reallocate``, keeping its contents) unless it is there already, and
     builds ``attention_backend`` (``make_backend``: ``auto`` picks ``cpu``
     where the kernels build, else ``torch-cascade``). With the ``cpu``
     backend the forward is ``FusedLlama``; with any other it is the model.
@@ -54,7 +54,8 @@ def accelerate(model: LlamaForCausalLM, pool: KVPool, attention_backend: str = "
     Call it before serving: views of the pool taken earlier go stale.
     """
     pack_linears(model, batch_invariant=batch_invariant)
-    pool.reallocate(hugepages.zeros)
+    if pool.zeros is not hugepages.zeros:  # built elsewhere: moved (a pool built by radixkv.forward.pool_zeros is not)
+        pool.reallocate(hugepages.zeros)
     backend = make_backend(attention_backend, pool, model.config.num_heads)
     if batch_invariant and isinstance(backend, CpuPagedBackend):  # its prefill by rows, not AMX's cascade
         backend = CpuPagedBackend(pool, model.config.num_heads, batch_invariant=True)

@@ -23,19 +23,17 @@ here.
 from __future__ import annotations
 
 import functools
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from radixkv.model.gguf import gguf_tensor_table
+
 BLOCK = 32  # inputs per scale and offset in Q4_1
 _Q4_1_BYTES = 20  # per block: float16 d, float16 m, 16 bytes of two 4-bit codes each
 _Q4_1 = 3  # GGML's type id
-# GGUF metadata value types by id: struct format of a scalar; 8 is a string, 9 an array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 @dataclass(frozen=True)
@@ -60,59 +58,13 @@ class CodedTiles:
 def q4_1_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every Q4_1 tensor of a GGUF file by name, as its blocks ``[rows, in / 32, 20]`` uint8 (a read-only map).
 
-    Reads the file's header and tensor table only: ``gguf.GGUFReader`` also
-    builds every metadata field, seconds for SmolLM2's 49,152-entry
-    vocabulary, where this takes milliseconds.
+    Reads the file's header and tensor table only (``gguf_tensor_table``, milliseconds).
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        pos = 0
-
-        def take(fmt: str):
-            nonlocal pos
-            out = struct.unpack_from("<" + fmt, data, pos)
-            pos += struct.calcsize("<" + fmt)
-            return out[0] if len(out) == 1 else out
-
-        def text() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return data[pos - n:pos].decode("utf-8", "replace")
-
-        def value(kind: int):
-            nonlocal pos
-            if kind == 8:
-                return text()
-            if kind == 9:
-                inner, count = take("IQ")
-                if inner in _SCALARS:  # skipped whole: its values are never needed here
-                    pos += count * struct.calcsize(_SCALARS[inner])
-                    return None
-                return [value(inner) for _ in range(count)]
-            return take(_SCALARS[kind])
-
-        magic, version, tensors, fields = take("4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
-        alignment = 32
-        for _ in range(fields):
-            key = text()
-            got = value(take("I"))
-            if key == "general.alignment":
-                alignment = int(got)
-        table = []
-        for _ in range(tensors):
-            name = text()
-            dims = take("Q" * take("I"))
-            dims = (dims,) if isinstance(dims, int) else dims
-            kind, offset = take("IQ")
-            table.append((name, dims, kind, offset))
-        start = -(-pos // alignment) * alignment
     out = {}
-    for name, dims, kind, offset in table:
-        if kind == _Q4_1:
-            rows = int(np.prod(dims[1:], dtype=np.int64))
-            out[name] = np.memmap(path, np.uint8, "r", start + offset, (rows, dims[0] // BLOCK, _Q4_1_BYTES))
+    for t in gguf_tensor_table(path).tensors:
+        if t.kind == _Q4_1:
+            rows = int(np.prod(t.dims[1:], dtype=np.int64))
+            out[t.name] = np.memmap(path, np.uint8, "r", t.offset, (rows, t.dims[0] // BLOCK, _Q4_1_BYTES))
     return out
 
 

@@ -12,32 +12,22 @@ it over ``paged_prefill`` where it measures faster on this CPU (``prefer_flash``
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBatch
 from radixkv.attention.split import group_of, scale_for
+from radixkv.cpu.capabilities import CpuCapabilities, cpu_capabilities
 from radixkv.memory.kv_pool import KVPool
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-@functools.cache
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bfloat16 (``amx_bf16`` in /proc/cpuinfo's flags)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "") if (
-        cpuinfo.exists()) else ""
-    return "amx_bf16" in flags.split()
-
-
-def amx_prefill(dtype: torch.dtype) -> bool:
+def amx_prefill(dtype: torch.dtype, caps: CpuCapabilities | None = None) -> bool:
     """Whether prefill chunks go through ``FlashPrefill``: bfloat16 on a CPU with AMX tiles (Sapphire Rapids
-    and later), whose oneDNN GEMMs outrun ``paged_prefill``'s dot products there."""
-    return dtype == torch.bfloat16 and has_amx()
+    and later; ``caps``, ``cpu_capabilities()`` by default), whose oneDNN GEMMs outrun ``paged_prefill``'s
+    dot products there."""
+    return dtype == torch.bfloat16 and (caps or cpu_capabilities()).amx
 
 
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixkv.cpu.capabilities import cpu_capabilities
 from radixkv.cpu.linear import PackedLinear
 from radixkv.cpu.paged_attention import CpuPagedBackend
 from radixkv.memory.kv_pool import KVPool
@@ -64,7 +65,7 @@ def build_decode_stack(kernels: ModuleType, model: LlamaForCausalLM, pool: KVPoo
                        scale: float) -> tuple[Any, int] | None:
     """``(DecodeStack, max rows)`` over ``model``'s layers and ``pool``, or None where a layer has no tiles."""
     found = [layer_weights(layer) for layer in model.model.layers]
-    if not found or None in found or not kernels.has_avx2():
+    if not found or None in found or not cpu_capabilities().avx2:
         return None
     cfg = model.config
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import radixkv.cpu.hugepages as hugepages
+from radixkv.cpu.capabilities import CpuCapabilities, cpu_capabilities
 from radixkv.cpu.coded import CodedTiles, q4_rows
 from radixkv.cpu.kernels import cpu_kernels_unavailable_reason, load_cpu_kernels
 from radixkv.timing import interleaved
@@ -80,6 +81,9 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         self.compute_dtype = compute_dtype or self.dtype
+        if self.compute_dtype != cpu_capabilities().compute_dtype(self.compute_dtype):
+            raise ValueError(f"oneDNN cannot multiply {self.compute_dtype} natively on this CPU "
+                             f"({cpu_capabilities().isa}): ask cpu_capabilities().compute_dtype for the dtype")
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
@@ -128,23 +132,22 @@ class PackedLinear(nn.Module):
         return self.small_kernels.small_linear(x.contiguous(), self.tiles, self.small_bias)[:rows]
 
 
-def linear_compute_dtype(model: nn.Module) -> torch.dtype | None:
+def linear_compute_dtype(model: nn.Module, caps: CpuCapabilities | None = None) -> torch.dtype | None:
     """The dtype ``pack_linears`` multiplies ``model``'s weights in on this CPU, or None where it leaves them.
 
-    16-bit weights multiply in their own dtype where oneDNN supports it (AVX-512
-    BF16 / FP16, AMX) and in float32 elsewhere; float32 weights are left as
-    they are (the exact oracle), as are weights on other devices.
+    16-bit weights multiply in their own dtype where oneDNN does so natively
+    (``CpuCapabilities.compute_dtype``: AVX-512 BF16 / FP16, AMX) and in
+    float32 elsewhere; float32 weights are left as they are (the exact
+    oracle), as are weights on other devices. ``caps``: the CPU to answer for
+    (``cpu_capabilities()`` by default).
     """
     p = next(model.parameters())
     mkldnn = torch.ops.mkldnn
-    if p.device.type != "cpu" or p.dtype == torch.float32 or not torch.backends.mkldnn.is_available():
+    if p.device.type != "cpu" or p.dtype not in SMALL_DTYPES or not torch.backends.mkldnn.is_available():
         return None
     if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")):
         return None
-    native = {torch.bfloat16: mkldnn._is_mkldnn_bf16_supported, torch.float16: mkldnn._is_mkldnn_fp16_supported}
-    if p.dtype not in native:
-        return None
-    return p.dtype if native[p.dtype]() else torch.float32
+    return (caps or cpu_capabilities()).compute_dtype(p.dtype)
 
 
 def pack_linears(model: nn.Module, coded_rows: int | None = None, batch_invariant: bool = False) -> int:
@@ -203,8 +206,7 @@ def _small_kernels() -> ModuleType | None:
     """The compiled kernels where they build and this CPU has AVX2 (``small_linear``'s), else None."""
     if cpu_kernels_unavailable_reason() is not None:
         return None
-    kernels = load_cpu_kernels()
-    return kernels if kernels.has_avx2() else None
+    return load_cpu_kernels() if cpu_capabilities().avx2 else None
 
 
 def measure_coded_rows(layers: list[PackedLinear], rounds: int = 5) -> int:

@@ -25,6 +25,9 @@ class KVPool:
     (``radixkv.cpu.accelerate`` moves a CPU pool into huge pages). ``pin_memory``: page-locked host memory
     (a host tier beside a CUDA pool: loads from it copy without blocking the CPU). ``file``: a path to create
     (or extend), reserve on disk and map the buffer from instead (a storage tier on disk; CPU only).
+    ``zeros``: how to allocate a CPU buffer (``zeros(shape, dtype)``, zero-filled; ``torch.zeros`` by default),
+    recorded as ``self.zeros``: ``radixkv.forward.pool_zeros`` names the one ``build_forward`` would move the
+    pool into, so a pool built with it is not allocated twice (and not touched until written).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
         file: str | None = None,
+        zeros: Callable[[Sequence[int], torch.dtype], torch.Tensor] | None = None,
     ):
         if (num_slots is None) == (max_bytes is None):
             raise ValueError("give exactly one of num_slots and max_bytes")
@@ -55,7 +59,10 @@ class KVPool:
         if self.num_pages < 1:
             raise ValueError(f"the pool must hold at least one page of {page_size} slots")
         # one buffer [layer, K or V, slot, head, dim]; k[layer], v[layer]: [num_slots, num_kv_heads, head_dim]
-        if file is None:
+        self.zeros = zeros if file is None and not pin_memory and self.device.type == "cpu" else None
+        if self.zeros is not None:
+            self._use(self._checked(self.zeros(self.buffer_shape, dtype), "zeros"))
+        elif file is None:
             self._use(torch.zeros(self.buffer_shape, dtype=dtype, device=self.device, pin_memory=pin_memory))
         else:  # a file of zeros, its disk space reserved (a pool larger than the disk fails here, not mid-run),
             numel = math.prod(self.buffer_shape)  # mapped shared: the OS pages it to disk
@@ -71,12 +78,16 @@ class KVPool:
     def reallocate(self, zeros: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
         """Move K and V into a buffer from ``zeros(buffer_shape, dtype)`` (on the pool's device), keeping what is
         stored. Views of the old buffer taken earlier (``k[layer]``) no longer see the pool: call it before serving."""
-        kv = zeros(self.buffer_shape, self.dtype)
-        if tuple(kv.shape) != self.buffer_shape or kv.dtype != self.dtype or kv.device.type != self.device.type:
-            raise ValueError(f"reallocate: got a {tuple(kv.shape)} {kv.dtype} buffer on {kv.device}, not "
-                             f"{self.buffer_shape} {self.dtype} on {self.device}")
+        kv = self._checked(zeros(self.buffer_shape, self.dtype), "reallocate")
         kv.copy_(self._kv)
         self._use(kv)
+        self.zeros = zeros
+
+    def _checked(self, kv: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(kv.shape) != self.buffer_shape or kv.dtype != self.dtype or kv.device.type != self.device.type:
+            raise ValueError(f"{what}: got a {tuple(kv.shape)} {kv.dtype} buffer on {kv.device}, not "
+                             f"{self.buffer_shape} {self.dtype} on {self.device}")
+        return kv
 
     def _use(self, kv: torch.Tensor) -> None:
         self._kv = kv

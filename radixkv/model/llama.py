@@ -200,12 +200,27 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gguf_file: str | None = None  # the GGUF file the weights were dequantized from (the loader sets it)
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a ``transformers`` state dict: q/k/v and gate/up are stacked; a tied head may be absent."""
+    @classmethod
+    def from_hf_state_dict(cls, cfg: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                           device: str | torch.device = "cpu") -> LlamaForCausalLM:
+        """The model of ``cfg`` holding copies of ``state`` (``transformers`` names) in ``dtype`` on ``device``:
+        each weight cast once and taken as it is, where loading and then casting copies it twice. O(weights).
+        (Built on the CPU, not on the meta device: meta tensors' first use imports a second's worth of torch.)"""
+        model = cls(cfg)
+        model.load_hf_state_dict({k: v.to(dtype=dtype, device=device, copy=True) for k, v in state.items()},
+                                 assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=dtype)  # as Module.to(dtype) casts buffers
+        return model.eval()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
+        """Load a ``transformers`` state dict: q/k/v and gate/up are stacked; a tied head may be absent.
+        ``assign``: the model takes the given tensors (``nn.Module.load_state_dict``) instead of copying them."""
         state = stack_projections({k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=assign)
         missing = [m for m in missing if not (self.config.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -22,29 +22,38 @@ It returns the model, its tokenizer (None for ``tiny-random``) and the
 ``transformers`` model that the weights came from when one was built (the
 parity tests compare against it; callers drop it otherwise).
 
-The last GGUF file read stays in memory (its float32 ``transformers`` model
-and tokenizer, about 0.6 GB for SmolLM2-135M), keyed by path, size and
-modification time: ``transformers`` parses a GGUF file three times per load
-(config, tokenizer, weights), about 30 s on 2 cores for SmolLM2, and an
-experiment builds one engine per cache. ``keep_hf=True`` returns a copy of
-that model, so casting it leaves the kept one alone. ``clear_gguf_cache()``
-drops it.
+A GGUF file is converted once per machine (``radixkv.model.converted``): the first load
+reads it once and writes a Hugging Face checkpoint (``config.json``, float32
+``model.safetensors``, the tokenizer's files) under ``converted_cache_root()``, in
+a folder named by the file's SHA-256 and the converter's version
+(``gguf_cache_entry``), saying so on stderr; later loads read that folder (about a
+second for SmolLM2-135M, where ``transformers`` parsed the file three times in
+20-30 s). A folder whose files do not match the digests its manifest recorded (a
+corrupt or half-written entry) is rebuilt, never used.
+
+The last GGUF file read also stays in memory (its tokenizer, config and float32
+weights, about 0.55 GB for SmolLM2-135M), keyed by path, size and modification
+time: an experiment builds one engine per cache. ``keep_hf=True`` returns a
+``transformers`` model built from copies of those weights, so casting it leaves
+the kept ones alone. ``clear_gguf_cache()`` drops them.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from radixkv.config import DTYPES as SETTING_DTYPES
+from radixkv.model.converted import gguf_cache_entry
+from radixkv.model.gguf import GGML_TYPE_NAMES, gguf_tensor_table
 from radixkv.model.llama import LlamaConfig, LlamaForCausalLM
 
 BUILTIN = ("tiny-random", "smollm2-135m", "smollm2-135m-random")
@@ -107,14 +116,38 @@ def _random(name: str, dtype: torch.dtype, device: str, keep_hf: bool) -> Loaded
 
 
 @functools.lru_cache(maxsize=1)
-def _read_gguf(path: str, size: int, mtime_ns: int) -> tuple[Any, Any]:
-    """(tokenizer, float32 transformers model) of a GGUF file; size and mtime key the cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _read_gguf(path: str, size: int, mtime_ns: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(tokenizer, config, float32 state dict) of a GGUF file, read from its converted checkpoint
+    (``gguf_cache_entry``); size and mtime key this in-memory copy. The config is ``config.json`` as attributes
+    (what ``LlamaConfig.from_hf`` reads): importing ``transformers``' Llama config costs a second."""
+    from safetensors.torch import load_file
 
-    file = Path(path)
-    kw = dict(gguf_file=file.name, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(file.parent, **kw)
-    return tok, AutoModelForCausalLM.from_pretrained(file.parent, dtype=torch.float32, **kw).eval()
+    entry = gguf_cache_entry(Path(path))
+    config = SimpleNamespace(**json.loads((entry / "config.json").read_text()))
+    return _tokenizer(entry), config, load_file(entry / "model.safetensors")
+
+
+def _tokenizer(entry: Path) -> Any:
+    """The tokenizer saved in ``entry``: a plain fast tokenizer loads directly (0.2 s), any other class through
+    ``AutoTokenizer`` (which first imports the model's config class)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    saved = json.loads((entry / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    plain = saved in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    return (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(entry, local_files_only=True)
+
+
+def _hf_model(config: SimpleNamespace, state: dict[str, torch.Tensor]) -> Any:
+    """A float32 ``transformers`` model of ``config`` (``config.json``'s fields) holding copies of ``state``
+    (``keep_hf``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(vars(config))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields),
+                                          dtype=torch.float32)
+    hf.load_state_dict(state, strict=False)  # a tied head is the embedding, which state holds
+    hf.tie_weights()
+    return hf.eval()
 
 
 def clear_gguf_cache() -> None:
@@ -129,12 +162,10 @@ def _file_version(path: Path) -> tuple[str, int, int]:
 
 
 def _gguf(path: Path, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
-    tok, hf = _read_gguf(*_file_version(path))
-    # the caller gets its own copy of the transformers model: Module.to() casts in place, which would
-    # change what the next load of this file returns
-    model = _from_hf(hf, dtype, device)
+    tok, config, state = _read_gguf(*_file_version(path))
+    model = LlamaForCausalLM.from_hf_state_dict(LlamaConfig.from_hf(config), state, dtype, device)  # copies
     model.gguf_file = str(path)  # radixkv.cpu.linear.pack_linears reads its exact 4-bit codes where it has them
-    return LoadedModel(model, tok, copy.deepcopy(hf) if keep_hf else None, str(path))
+    return LoadedModel(model, tok, _hf_model(config, state) if keep_hf else None, str(path))
 
 
 def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
@@ -175,11 +206,9 @@ def model_dtype(name: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _gguf_tensor_dtype(path: str, size: int, mtime_ns: int) -> str:
-    """``model_dtype`` of a GGUF file version (size and mtime key it): reading the tensor table takes about
-    2 s for SmolLM2, and an experiment builds one engine per cache."""
-    from gguf import GGUFReader
-
-    kinds = {t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) >= 2}
+    """``model_dtype`` of a GGUF file version (size and mtime key it), from its tensor table alone
+    (``gguf_tensor_table``: milliseconds)."""
+    kinds = {GGML_TYPE_NAMES.get(t.kind, str(t.kind)) for t in gguf_tensor_table(path).tensors if len(t.dims) >= 2}
     return _GGUF_FLOATS.get(next(iter(kinds)), "bfloat16") if len(kinds) == 1 else "bfloat16"
 
 
