@@ -25,7 +25,7 @@ def fake_convert(monkeypatch):
     def convert(path, into):
         calls.append(path)
         (into / "model.safetensors").write_bytes(path.read_bytes() * 3)
-        files = {"model.safetensors": (len(path.read_bytes()) * 3, converted._sha256(into / "model.safetensors"))}
+        files = {"model.safetensors": (len(path.read_bytes()) * 3, converted._crc32(into / "model.safetensors"))}
         (into / MANIFEST).write_text(json.dumps({"files": files}))
 
     monkeypatch.setattr(converted, "_convert", convert)

@@ -70,8 +70,9 @@ def q4_1_tensors(path: str | Path) -> dict[str, np.ndarray]:
 
 def _unrounded(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``float32(d * q) + m`` ``[rows, k]``, as ``gguf``'s Q4_1 dequantization computes it (each step rounded)."""
-    scale = d.to(torch.float32).repeat_interleave(BLOCK, dim=1)
-    return scale * codes.to(torch.float32) + m.to(torch.float32).repeat_interleave(BLOCK, dim=1)
+    rows, k = codes.shape
+    q = codes.to(torch.float32).view(rows, k // BLOCK, BLOCK)  # each block's 32 codes against its d and m
+    return (q * d.to(torch.float32)[..., None] + m.to(torch.float32)[..., None]).view(rows, k)
 
 
 def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

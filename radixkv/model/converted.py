@@ -7,18 +7,21 @@ files it does not cover go through ``transformers``, which parses a GGUF file th
 times: config, tokenizer, weights, about 20 s for SmolLM2-135M on 2 cores). The folder
 is named by the file's SHA-256, ``CONVERTER_VERSION`` and ``transformers``' version
 (a newer converter writes a new folder) and holds a manifest of its files' sizes and
-SHA-256 digests, written last: a folder whose files do not match it (corrupt, half
-written, edited) is rebuilt, never used.
+CRC-32s (zip's corruption check: 0.15 s for SmolLM2's 0.55 GB, where SHA-256 takes
+0.35 s), written last: a folder whose files do not match it (corrupt, half written,
+edited) is rebuilt, never used.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,14 @@ MANIFEST = "radixkv_manifest.json"
 def converted_cache_root() -> Path:
     """Where converted GGUF files are kept: ``$XDG_CACHE_HOME/radixkv/gguf`` (``~/.cache/radixkv/gguf``)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixkv" / "gguf"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _sha256(path: Path) -> str:
@@ -47,18 +58,16 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 def _entry_name(digest: str) -> str:
-    import transformers
-
-    return f"{digest[:32]}-c{CONVERTER_VERSION}-t{transformers.__version__}"
+    return f"{digest[:32]}-c{CONVERTER_VERSION}-t{importlib.metadata.version('transformers')}"
 
 
 def entry_is_valid(entry: Path) -> bool:
-    """Whether ``entry`` is a finished conversion whose files all match its manifest (size and SHA-256).
-    O(bytes of the entry): 0.4 s for SmolLM2's 0.55 GB."""
+    """Whether ``entry`` is a finished conversion whose files all match its manifest (size and CRC-32).
+    O(bytes of the entry): 0.15 s for SmolLM2's 0.55 GB."""
     try:
         files = json.loads((entry / MANIFEST).read_text())["files"]
-        return bool(files) and all((entry / name).stat().st_size == size and _sha256(entry / name) == digest
-                                   for name, (size, digest) in files.items())
+        return bool(files) and all((entry / name).stat().st_size == size and _crc32(entry / name) == crc
+                                   for name, (size, crc) in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -75,7 +84,7 @@ def _convert(path: Path, into: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(into / "model.safetensors"), metadata={"format": "pt"})
     (into / "config.json").write_text(json.dumps(config, indent=1, default=str))
     tokenizer.save_pretrained(into)
-    files = {p.name: (p.stat().st_size, _sha256(p)) for p in sorted(into.iterdir()) if p.is_file()}
+    files = {p.name: (p.stat().st_size, _crc32(p)) for p in sorted(into.iterdir()) if p.is_file()}
     (into / MANIFEST).write_text(json.dumps({"source": path.name, "files": files}, indent=1))
 
 

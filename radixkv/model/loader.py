@@ -28,7 +28,7 @@ reads it once and writes a Hugging Face checkpoint (``config.json``, float32
 a folder named by the file's SHA-256 and the converter's version
 (``gguf_cache_entry``), saying so on stderr; later loads read that folder (about a
 second for SmolLM2-135M, where ``transformers`` parsed the file three times in
-20-30 s). A folder whose files do not match the digests its manifest recorded (a
+20-30 s). A folder whose files do not match the sizes and CRC-32s its manifest recorded (a
 corrupt or half-written entry) is rebuilt, never used.
 
 The last GGUF file read also stays in memory (its tokenizer, config and float32
@@ -44,6 +44,7 @@ import functools
 import importlib.util
 import json
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,7 +123,10 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> tuple[Any, Any, dict[str,
     (what ``LlamaConfig.from_hf`` reads): importing ``transformers``' Llama config costs a second."""
     from safetensors.torch import load_file
 
-    entry = gguf_cache_entry(Path(path))
+    with ThreadPoolExecutor(1) as worker:  # hashing releases the GIL: checking the entry overlaps the import
+        found = worker.submit(gguf_cache_entry, Path(path))
+        from transformers import PreTrainedTokenizerFast  # noqa: F401 - 0.5 s of imports, as long as the check
+        entry = found.result()
     config = SimpleNamespace(**json.loads((entry / "config.json").read_text()))
     return _tokenizer(entry), config, load_file(entry / "model.safetensors")
 
