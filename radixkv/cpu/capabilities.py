@@ -86,19 +86,21 @@ class CpuCapabilities:
         native = {torch.bfloat16: self.onednn_bf16, torch.float16: self.onednn_fp16}
         return dtype if native.get(dtype, True) else torch.float32
 
+    @property
+    def native_build(self) -> bool:
+        """Whether the kernels are built for this very CPU (no ceiling, or none with a level of its own)."""
+        return self.ceiling is None or self.isa not in _CAPPED_FLAGS
+
     def compile_flags(self) -> list[str]:
         """The instruction-set flags the compiled kernels are built with: this CPU's own without a ceiling,
         the capped level's otherwise (so a capped build has exactly that level's paths)."""
-        if self.ceiling is None or self.isa not in _CAPPED_FLAGS:
-            return ["-march=native"]
-        return list(_CAPPED_FLAGS[self.isa])
+        return ["-march=native"] if self.native_build else list(_CAPPED_FLAGS[self.isa])
 
     def build_key(self) -> str:
         """What a build of the kernels depends on beyond their source: the machine's architecture and, for a
         native build, the CPU's feature flags; for a capped one, its flags alone."""
-        flags = " ".join(self.compile_flags())
-        native = _cpuinfo_flags() if self.ceiling is None or self.isa not in _CAPPED_FLAGS else ""
-        return f"{platform.machine()}|{flags}|{native}"
+        native = _cpuinfo_flags() if self.native_build else ""
+        return f"{platform.machine()}|{' '.join(self.compile_flags())}|{native}"
 
 
 def _cpuinfo_flags() -> str:

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +36,21 @@ def converted_cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixkv" / "gguf"
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
+def _chunks(path: Path) -> Iterator[bytes]:
+    """The file's bytes, 8 MiB at a time."""
     with open(path, "rb") as f:
         while chunk := f.read(1 << 23):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+            yield chunk
+
+
+def _crc32(path: Path) -> int:
+    return functools.reduce(lambda crc, chunk: zlib.crc32(chunk, crc), _chunks(path), 0)
 
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            h.update(chunk)
+    for chunk in _chunks(path):
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -79,8 +82,7 @@ def _convert(path: Path, into: Path) -> None:
 
     from radixkv.model.gguf_llama import llama_checkpoint
 
-    converted = llama_checkpoint(path) or _with_transformers(path)
-    config, state, tokenizer = converted
+    config, state, tokenizer = llama_checkpoint(path) or _with_transformers(path)
     save_file({k: v.contiguous() for k, v in state.items()}, str(into / "model.safetensors"), metadata={"format": "pt"})
     (into / "config.json").write_text(json.dumps(config, indent=1, default=str))
     tokenizer.save_pretrained(into)

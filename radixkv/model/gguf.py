@@ -3,8 +3,9 @@
 * ``gguf_tensor_table(path)``: the header and tensor table of a GGUF file (names,
   shapes, ggml types, where each tensor's bytes start) and its metadata, read through a
   memory map, arrays decoded only when asked for (``gguf.GGUFReader`` builds every
-  field's parts, seconds for SmolLM2's 49,152-entry vocabulary). The loader's dtype and the CPU kernels' 4-bit
-  codes (``radixkv.cpu.coded``) both read it.
+  field's parts, seconds for SmolLM2's 49,152-entry vocabulary). The loader's dtype,
+  the converter (``radixkv.model.gguf_llama``) and the CPU kernels' 4-bit codes
+  (``radixkv.cpu.coded``) read it.
 
 Converting a file into a checkpoint kept on disk: ``radixkv.model.converted``.
 """
@@ -83,9 +84,9 @@ def _table(path: str, size: int, mtime_ns: int, arrays: bool) -> GGUFTable:
             if kind == 9:  # an array: skipped (numbers whole, strings by their lengths) unless asked for
                 inner, count = take("IQ")
                 if inner in _SCALARS:
-                    pos += count * struct.calcsize(_SCALARS[inner])
-                    return np.frombuffer(data, "<" + _SCALARS[inner], count, pos - count * struct.calcsize(
-                        _SCALARS[inner])).copy() if arrays else None
+                    fmt = "<" + _SCALARS[inner]
+                    start, pos = pos, pos + count * struct.calcsize(fmt)
+                    return np.frombuffer(data, fmt, count, start).copy() if arrays else None
                 if arrays:
                     return [value(inner) for _ in range(count)]
                 for _ in range(count):

@@ -100,9 +100,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def _from_hf(hf_model: Any, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(LlamaConfig.from_hf(hf_model.config))
-    model.load_hf_state_dict({k: v.to(torch.float32) for k, v in hf_model.state_dict().items()})
-    return model.to(dtype=dtype, device=device).eval()
+    state = {k: v.to(torch.float32) for k, v in hf_model.state_dict().items()}
+    return LlamaForCausalLM.from_hf_state_dict(LlamaConfig.from_hf(hf_model.config), state, dtype, device)
 
 
 def _random(name: str, dtype: torch.dtype, device: str, keep_hf: bool) -> LoadedModel:
@@ -176,15 +175,14 @@ def _hf_directory(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    model = LlamaForCausalLM(LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
+    cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     # _locate checked there are *.safetensors files, and config.json
-    model.load_hf_state_dict({k: v.to(torch.float32) for f in sorted(path.glob("*.safetensors"))
-                              for k, v in load_file(str(f)).items()})
+    state = {k: v.to(torch.float32) for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         tok = None
-    return LoadedModel(model.to(dtype=dtype, device=device).eval(), tok, None, str(path))
+    return LoadedModel(LlamaForCausalLM.from_hf_state_dict(cfg, state, dtype, device), tok, None, str(path))
 
 
 def model_dtype(name: str) -> str:
@@ -201,17 +199,15 @@ def model_dtype(name: str) -> str:
     if kind == "random":
         return RANDOM_DTYPES[name]
     if kind == "gguf":
-        return _gguf_tensor_dtype(*_file_version(path))
+        return _gguf_tensor_dtype(path)
     config = json.loads((path / "config.json").read_text())
     stated = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
     stated = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(stated, stated)
     return stated if stated in DTYPES else "float32"
 
 
-@functools.lru_cache(maxsize=8)
-def _gguf_tensor_dtype(path: str, size: int, mtime_ns: int) -> str:
-    """``model_dtype`` of a GGUF file version (size and mtime key it), from its tensor table alone
-    (``gguf_tensor_table``: milliseconds)."""
+def _gguf_tensor_dtype(path: Path) -> str:
+    """``model_dtype`` of a GGUF file, from its tensor table alone (``gguf_tensor_table``, which keeps it)."""
     kinds = {GGML_TYPE_NAMES.get(t.kind, str(t.kind)) for t in gguf_tensor_table(path).tensors if len(t.dims) >= 2}
     return _GGUF_FLOATS.get(next(iter(kinds)), "bfloat16") if len(kinds) == 1 else "bfloat16"
 
