@@ -13,8 +13,11 @@ from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES
 from radixkv.checks import is_int, is_real
+from radixkv.sessions import Finish, finish_of, session_hints
 from radixkv.settings import aliases, problems, setting
 from radixkv.stack import StackConfig, settings_from
+from radixkv.structured import StructuredOutput
+from radixkv.tool_calls import check_parser
 
 PREFIX_CACHES = CACHES  # one list of names each: the caches', the policies', the backends' (here, torch-free)
 ATTENTION_BACKENDS = BACKENDS  # the registry's names (radixkv.attention.registry, torch-free)
@@ -152,6 +155,10 @@ class SamplingParams:
     ttl: float | None = None
     session: Hashable = None
     stream: int | None = None
+    parent: int | None = None
+    finish: Finish | None = None
+    tool_parser: str | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Checked here, not where they are used: a value that failed inside a batch would stop the batch.
@@ -174,14 +181,24 @@ class SamplingParams:
             (_hashable(self.session), "session must be hashable"),
             (self.stream is None or (is_int(self.stream) and self.stream >= 0),
              "stream must be None or an integer >= 0"),
+            (self.parent is None or (is_int(self.parent) and self.parent >= 0 and self.stream is not None
+                                     and self.parent != self.stream),
+             "parent must be None or the integer >= 0 of another stream, with stream given"),
+            (self.structured is None or isinstance(self.structured, StructuredOutput),
+             "structured must be None or a StructuredOutput"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid SamplingParams: {message} (got {self})")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        try:
+            object.__setattr__(self, "finish", finish_of(self.finish))
+            check_parser(self.tool_parser)
+        except ValueError as e:
+            raise ValueError(f"invalid SamplingParams: {e}") from None
         # numpy integers pass the checks, but torch wants int; a Fraction or a Decimal would fail inside the step's
         # arithmetic
-        casts = {"max_new_tokens": int, "top_k": int, "seed": int, "priority": int, "stream": int,
+        casts = {"max_new_tokens": int, "top_k": int, "seed": int, "priority": int, "stream": int, "parent": int,
                  "temperature": float, "top_p": float, "ttl": float}
         for name, cast in casts.items():
             if getattr(self, name) is not None:
@@ -189,8 +206,9 @@ class SamplingParams:
 
     @property
     def cache_hints(self) -> CacheHints:
-        """What the prefix cache is told about this request (its ``priority``, ``ttl``, ``session`` and ``stream``)."""
-        return CacheHints(self.priority, self.ttl, session=self.session, stream=self.stream)
+        """What the prefix cache is told about this request: its ``priority``, ``ttl`` and session hints
+        (``session_hints``, the simulator's way too; ``finish`` as ``stop`` where the caller declared it)."""
+        return session_hints(CacheHints(self.priority, self.ttl), self.session, self.stream, self.parent, self.finish)
 
 
 def _hashable(value: object) -> bool:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from numbers import Integral
+from typing import Any
 
 import torch
 
@@ -34,13 +34,16 @@ from radixkv.forward import build_forward, pool_zeros
 from radixkv.inputs import Prompts, batch_arguments, sampling_params_of
 from radixkv.interrupts import deferred_interrupts
 from radixkv.kv_transfer import TierMemory
-from radixkv.memory.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool, default_kv_tokens
 from radixkv.model import load_model
 from radixkv.model.loader import resolve_dtype
 from radixkv.model.sampler import SamplingSpec, sample, seeded_generator
 from radixkv.model.step import prepare_step
 from radixkv.scheduling import RequestState
+from radixkv.sessions import Finish, finish_kind
 from radixkv.stack import build_stack, check_idle
+from radixkv.structured import Grammars
+from radixkv.tool_calls import ToolCall, parse_tool_calls
 
 
 class EngineStalledError(RuntimeError):
@@ -54,6 +57,10 @@ class RequestOutput:
 
     ``finish_reason``: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_new_tokens``), ``"abort"``
     (``LLM.abort``) or ``"error"`` (this request alone failed; ``error`` says why, its batch went on).
+    ``finish_kind``: how the answer ended for the session policies (``radixkv.sessions.Finish``: a tool call
+    where the request's ``tool_parser`` found one, the end of the turn at EOS, ...; None for an error).
+    ``tool_calls`` and ``content``: what the request's ``tool_parser`` found in ``text`` (``()`` and None
+    without one).
     """
 
     request_id: int
@@ -67,6 +74,9 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     error: str | None = None
+    finish_kind: Finish | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
 
 
 @dataclass(eq=False)
@@ -80,6 +90,7 @@ class _Seq(RequestState):
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     delivered: list[float] = field(default_factory=list)  # times of the tokens produced before a preemption
+    matcher: Any = None  # its grammar's state where its output is constrained (``SamplingParams.structured``)
 
     @property
     def tokens(self) -> list[int]:
@@ -98,6 +109,8 @@ class _Seq(RequestState):
             self.delivered = self.token_times
         self.output, self.token_times = [], []
         self.generator = seeded_generator(self.params.seed, self.device)  # a recomputation samples the same tokens
+        if self.matcher is not None:  # and its grammar starts again with it
+            self.matcher.reset()
 
 
 class LLM:
@@ -149,6 +162,7 @@ class LLM:
         self._stats = {"steps": 0, "step_s": 0.0, "model_s": 0.0, "saved_prefill_s": 0.0}  # the scheduler: tokens
         self.step_log: list[StepRecord] = []  # filled when ``record_steps`` is set (simulator calibration)
         self._cost = CostModel()  # the CPU calibration preset: what ``saved_prefill_s`` is priced at
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size)  # constrained requests' (xgrammar, when first used)
         self.scheduler.on_first_admit = self._count_saved
 
     def _host_sized(self, ratio: float | None) -> EngineConfig:
@@ -175,8 +189,10 @@ class LLM:
         return self._queue(self.prompts.check(prompt, params), params, namespace)
 
     def _queue(self, ids: list[int], params: SamplingParams, namespace: Hashable) -> int:
+        matcher = self.grammars.matcher(params.structured) if params.structured is not None else None
         s = _Seq(next(self._ids), ids, namespace, hints=params.cache_hints, params=params, arrival=time.perf_counter(),
-                 generator=seeded_generator(params.seed, self.config.device), device=self.config.device)
+                 generator=seeded_generator(params.seed, self.config.device), device=self.config.device,
+                 matcher=matcher)
         self.scheduler.add(s)
         return s.rid
 
@@ -224,6 +240,14 @@ class LLM:
                 self.scheduler.recover(done={o.request_id for o in finished})
             raise
 
+    def prefetch(self) -> int:
+        """Load the contexts due back now from the lower tiers (``Scheduler.prefetch``), for an engine with no
+        request in (``step`` does it before each batch): a step with nothing to run, all or nothing as one.
+        The tokens loaded."""
+        before = sum(self.cache.loaded_tokens.values())
+        self._unclaimed += self.step()  # nothing runs: outputs that finished earlier wait for the next step
+        return sum(self.cache.loaded_tokens.values()) - before
+
     def _count_saved(self, s: _Seq) -> None:
         """A request's first admission: the prefill time its cached prompt tokens saved (``stats``)."""
         self._stats["saved_prefill_s"] += self._cost.saved_prefill_time(len(s.prompt), s.hit)
@@ -235,19 +259,23 @@ class LLM:
         if self.config.record_steps:
             self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, ab.prefilling))
 
-    def abort(self, request_ids: int | Iterable[int]) -> None:
+    def abort(self, request_ids: int | Iterable[int], finish: Finish = Finish.ABORT) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
 
         Their slots and locks are released and what they computed stays cached where the cache takes it
         (``Scheduler.abort``); each comes back from the next ``step()`` with ``finish_reason="abort"``. Ids
-        that are unknown or already finished are ignored.
+        that are unknown or already finished are ignored. ``finish``: how the answer ended, for the session
+        books (``STOP_SEQUENCE`` where the server cut it at a stop string; an abort by default).
         """
         ids = {request_ids} if isinstance(request_ids, Integral) else set(request_ids)
         with deferred_interrupts():
             try:
                 for s in [s for s in self.running + self.waiting if s.rid in ids]:
-                    self._unclaimed.append(self._output(s, "abort"))  # before its record is reset
+                    out = self._output(s, "abort")  # before its record is reset
+                    out.finish_kind = finish
+                    self._unclaimed.append(out)
                     s.finished = True
+                    s.hints = s.hints._replace(stop=finish)
                     self.scheduler.abort(s)
             except BaseException:  # the books as after a failed step (the fault contract)
                 self.scheduler.recover()
@@ -264,6 +292,8 @@ class LLM:
         """
         prompts, params = batch_arguments(prompts, sampling_params)
         checked = [self.prompts.check(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for sp in {sp.structured for sp in params if sp.structured is not None}:
+            self.grammars.matcher(sp)  # a schema that cannot compile fails here, before anything is queued
         rids: list[int] = []
         mine: set[int] = set()
         done: dict[int, RequestOutput] = {}
@@ -406,7 +436,9 @@ class LLM:
         sampling = [batch[i][0] for i in rows]
         specs = [SamplingSpec(s.params.temperature, s.params.top_k, s.params.top_p) for s in sampling]
         errors: list[Exception | None] = [None] * len(rows)
-        tokens = sample(logits[rows], specs, [s.generator for s in sampling], errors).tolist()  # one sync
+        rows_logits = logits[rows]
+        self.grammars.mask(rows_logits, [s.matcher for s in sampling])  # constrained rows: what the grammar allows
+        tokens = sample(rows_logits, specs, [s.generator for s in sampling], errors).tolist()  # one sync
         now = time.perf_counter()
         for s, tok, err in zip(sampling, tokens, errors, strict=True):
             if err is not None:  # this request's own failure: the rest of the batch goes on
@@ -419,17 +451,20 @@ class LLM:
     def _done(self, s: _Seq, tok: int) -> str | None:
         if tok in s.params.stop_token_ids or (not s.params.ignore_eos and tok in self.model.config.eos_token_ids):
             return "stop"
+        if s.matcher is not None and (not s.matcher.accept_token(tok) or s.matcher.is_terminated()):
+            return "stop"  # the grammar is complete (a masked sample is always accepted)
         return "length" if len(s.output) >= s.params.max_new_tokens else None
 
     def _finish(self, s: _Seq, reason: str, finished: list[RequestOutput], error: str | None = None) -> None:
         """Deliver the output first, then release: a failure in between never loses the request (``recover``
         drops a finished one) and at worst leaves its KV uncached."""
-        finished.append(self._output(s, reason, error))
+        out = self._output(s, reason, error)
+        finished.append(out)
         s.finished = True
         if reason == "error":
             self.scheduler.abort(s)  # what it computed stays cached; its last token may have no KV yet
-        else:
-            s.hints = s.hints._replace(stop=reason)  # how the answer ended, for the session-aware policies
+        else:  # how the answer ended (the tool it called), for the session books
+            s.hints = s.hints._replace(stop=out.finish_kind, tool=out.tool_calls[0].name if out.tool_calls else None)
             self.scheduler.finish(s, s.tokens[:-1])  # the last token's KV was never computed
 
     def _output(self, s: _Seq, reason: str, error: str | None = None) -> RequestOutput:
@@ -438,8 +473,13 @@ class LLM:
         except Exception as e:  # a tokenizer failing on one output fails that request only
             text, reason, error = "", "error", error or f"detokenizing failed: {type(e).__name__}: {e}"
         times = s.token_times or [math.nan]
+        calls, content = (), None
+        if s.params.tool_parser is not None and reason in ("stop", "length"):
+            parsed = parse_tool_calls(s.params.tool_parser, text)
+            calls, content = parsed.calls, parsed.content
         return RequestOutput(s.rid, s.prompt, s.output, text, len(s.prompt), max(s.hit, 0), times[0], times[-1],
-                             s.token_times, reason, error)
+                             s.token_times, reason, error, finish_kind(reason, s.params.finish, bool(calls), bool(
+                                 s.output) and s.output[-1] in s.params.stop_token_ids), calls, content)
 
     def _stalled(self) -> str:
         """Why nothing could be scheduled: what the first waiting request needs against what memory has."""
@@ -450,16 +490,3 @@ class LLM:
                 f"{self.cache.protected_size} of {self.allocator.capacity}; {len(self.running)} running, "
                 f"{len(self.waiting)} waiting")
 
-
-def default_kv_tokens(bytes_per_slot: int, device: str = "cpu") -> int:
-    """KV pool size when none is given: a quarter of the memory available now, at least 1,024 and at
-    most 2**20 tokens. Available means the device's free memory on a GPU (after the weights are
-    loaded), the host's free pages otherwise."""
-    if torch.device(device).type == "cuda":
-        avail = torch.cuda.mem_get_info(torch.device(device))[0]
-    else:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            avail = 4 << 30
-    return int(max(1024, min(avail // 4 // bytes_per_slot, 1 << 20)))

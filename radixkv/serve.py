@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or Anthropic's "
+                                                   "'x-api-key: KEY') on /v1/* and /flush_cache")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (None: MODEL)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")

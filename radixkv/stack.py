@@ -30,7 +30,7 @@ from radixkv.cache.eviction import needs_future
 from radixkv.cache.factory import CACHES, make_cache
 from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.segments import TIER_KINDS
-from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache
+from radixkv.cache.tiered import WRITE_POLICIES, Tier, TieredCache, eviction_policies
 from radixkv.cache.tiers import HOST_LAYOUTS, TierSpec, lower_tiers
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import POLICIES as SCHEDULE_POLICIES
@@ -200,8 +200,11 @@ def build_stack(config: StackConfig, slots: int, *, cache: PrefixCache | None = 
     budget, chunk = (math.inf if v is None else int(v) for v in (config.max_batch_tokens, config.chunked_prefill_size))
     scheduler = Scheduler(prefix_cache, allocator, policy, max_running=config.max_running, max_batch_tokens=budget,
                           chunked_prefill_size=chunk, whole_kv=whole_kv)
+    for eviction in eviction_policies(prefix_cache):
+        if hasattr(eviction, "sessions"):  # an eviction policy that follows sessions reads the scheduler's book
+            eviction.sessions = scheduler.sessions
     if config.prefetch:
-        scheduler.prefetcher = Prefetcher(load_time)
+        scheduler.prefetcher = Prefetcher(load_time, scheduler.sessions)
     return Stack(prefix_cache, allocator, scheduler, future)
 
 

@@ -160,10 +160,10 @@ def test_every_cache_call_of_the_engine_carries_its_request_s_hints(monkeypatch)
     assert [o.finish_reason for o in llm.step()] == ["abort"]
     want = {10 + i: sp.cache_hints for i, sp in enumerate(params)} | {40: CacheHints(7, None), 50: CacheHints(9, 1.0)}
     assert {first for first, _ in calls} == set(want)
-    # the finish's insert also says how the answer ended (the engine's finish_reason); no other call knows it
+    # the finish's insert also says how the answer ended (the engine's finish kind); no other call knows it
     assert all(hints._replace(request=None, stop=None) == want[first] for first, hints in calls)
     assert {hints.stop for first, hints in calls if first in (10, 11, 12, 40)} == {None, "length"}
-    assert {hints.stop for first, hints in calls if first == 50} == {None}  # an abort is no answer
+    assert {hints.stop for first, hints in calls if first == 50} == {None, "abort"}  # the finish says abort
     requests = {}  # each request's calls name it, the same id each time
     for first, hints in calls:
         assert hints.request is not None and requests.setdefault(first, hints.request) == hints.request

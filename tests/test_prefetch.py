@@ -16,6 +16,7 @@ from radixkv.cache.tiered import Tier, TieredCache
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling import RequestState, Scheduler, make_policy
 from radixkv.scheduling.prefetch import Prefetcher
+from radixkv.sessions import Finish
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.stack import StackConfig, check_idle
 from radixkv.workloads.request import Request
@@ -23,30 +24,41 @@ from radixkv.workloads.request import Request
 TOOL = CacheHints(session="A", stream=0, stop="tool_use")
 
 
+def _finished(p: Prefetcher, tokens: np.ndarray, hints: CacheHints, now: float) -> None:
+    """What the scheduler does at a finish: tell the sessions' book, then the prefetcher of the stream awaited."""
+    awaited = p.sessions.finished(hints, now, len(tokens))
+    if awaited is not None:
+        p.finished(awaited, tokens, None)
+
+
+MAIN_TOOL, SUB_TOOL, MAIN_TURN = ((sub, finish, None) for sub, finish in (
+    (False, Finish.TOOL_CALL), (True, Finish.TOOL_CALL), (False, Finish.END_TURN)))
+
+
 def test_the_predicted_pause_is_the_geometric_mean_of_those_seen_per_kind_of_finish():
     p = Prefetcher(lead=lambda tokens: tokens / 100)
     tokens = np.arange(50)
-    p.finished(tokens, None, TOOL, now=0.0)
-    assert p.predicted_pause(("tool_use", False)) is None and p.next_due() == math.inf  # nothing seen: no guess
-    p.returned(TOOL._replace(stop=None), now=1.0)  # back after 1 s
-    p.finished(tokens, None, TOOL, now=2.0)
-    p.returned(TOOL._replace(stop=None), now=102.0)  # back after 100 s
-    assert p.predicted_pause(("tool_use", False)) == pytest.approx(10.0)
-    assert p.predicted_pause(("tool_use", True)) is None and p.predicted_pause(("end_turn", False)) is None
-    p.finished(tokens, None, TOOL, now=200.0)
+    _finished(p, tokens, TOOL, now=0.0)
+    assert p.predicted_pause(MAIN_TOOL) is None and p.next_due() == math.inf  # nothing seen: no guess
+    p.sessions.returned(TOOL._replace(stop=None), now=1.0)  # back after 1 s
+    _finished(p, tokens, TOOL, now=2.0)
+    p.sessions.returned(TOOL._replace(stop=None), now=102.0)  # back after 100 s
+    assert p.predicted_pause(MAIN_TOOL) == pytest.approx(10.0)
+    assert p.predicted_pause(SUB_TOOL) is None and p.predicted_pause(MAIN_TURN) is None
+    _finished(p, tokens, TOOL, now=200.0)
     assert p.next_due() == pytest.approx(200.0 + 10.0 - 0.5)  # the load's lead: 50 tokens at 100 a second
-    assert p.due(209.0) == [] and [c.hints.session for c in p.due(209.5)] == ["A"]
+    assert p.due(209.0) == [] and [hints.session for _, _, hints in p.due(209.5)] == ["A"]
     assert p.due(1e9) == [] and p.next_due() == math.inf  # handed out once
 
 
 def test_only_sessions_that_end_in_a_tool_call_or_a_turn_are_expected_back():
     p = Prefetcher()
-    p.finished(np.arange(5), None, CacheHints(stop="tool_use"), now=0.0)  # no session: nothing to wait for
-    p.finished(np.arange(5), None, CacheHints(session="B", stop="length"), now=0.0)
-    assert p.pending == {}
-    p.finished(np.arange(5), None, CacheHints(session="B", stream=1, stop="end_turn"), now=0.0)
-    p.finished(np.arange(5), None, CacheHints(session="B", stream=1, stop="stop"), now=1.0)  # says nothing
-    assert p.pending == {}
+    _finished(p, np.arange(5), CacheHints(stop="tool_use"), now=0.0)  # no session: nothing to wait for
+    _finished(p, np.arange(5), CacheHints(session="B", stop="length"), now=0.0)
+    assert p.sessions.awaited == {}
+    _finished(p, np.arange(5), CacheHints(session="B", stream=1, stop="end_turn"), now=0.0)
+    _finished(p, np.arange(5), CacheHints(session="B", stream=1, stop="stop_sequence"), now=1.0)  # no return
+    assert p.sessions.awaited == {}
 
 
 # ------------------------------------------------------------------ the scheduler's prefetch
@@ -55,7 +67,7 @@ def _stack(device: int, host: int, clock: list[float]) -> Scheduler:
                         "write_back")
     sched = Scheduler(cache, SlotAllocator(device), make_policy("fcfs"), max_running=8)
     sched.clock = lambda: clock[0]
-    sched.prefetcher = Prefetcher()
+    sched.prefetcher = Prefetcher(sessions=sched.sessions)
     return sched
 
 
@@ -112,7 +124,7 @@ def test_a_prefetch_never_evicts_and_is_not_taken_for_the_session_s_return():
     clock[0] = 9.0
     assert sched.prefetch() == 0 and sched.cache.device.total_size == 50  # nothing evicted for it
     assert sched.prefetcher.prefetched == 1 and sched.prefetcher.due(1e9) == []  # handed out once, not loaded
-    assert ("A", 0) in sched.prefetcher.pending  # still waiting for the session's own return to learn from
+    assert sched.sessions.awaited[("A", 0)].back is None  # still waiting for the session's own return to learn from
     sched.cache.check_invariants()
 
 
@@ -169,10 +181,10 @@ def test_a_prefetch_during_a_decode_stride_loads_when_due_and_costs_its_copy_onc
 
 def test_a_context_long_overdue_is_dropped_and_no_tokens_are_kept_before_a_pause_is_known():
     p = Prefetcher()
-    p.finished(np.arange(50), None, TOOL, now=0.0)
-    assert p.pending[("A", 0)].tokens is None  # nothing will prefetch it: nothing held
-    p.returned(TOOL._replace(stop=None), now=10.0)
-    p.finished(np.arange(50), None, TOOL, now=20.0)  # due at 30, worth it until 40
+    _finished(p, np.arange(50), TOOL, now=0.0)
+    assert p.sessions.awaited[("A", 0)].tokens is None  # nothing will prefetch it: nothing held
+    p.sessions.returned(TOOL._replace(stop=None), now=10.0)
+    _finished(p, np.arange(50), TOOL, now=20.0)  # due at 30, worth it until 40
     assert p.due(41.0) == [] and p.next_due() == math.inf and p.prefetched == 0
 
 
@@ -193,21 +205,24 @@ def test_prefetch_needs_a_lower_tier():
 
 def test_the_engine_prefetches_the_kv_back_exactly():
     """The engine's step runs a due prefetch through its mover: the context it copied back from the host
-    tier is the device's again, and the next request reading it generates what a fresh engine does."""
+    tier is the device's again, and the next request reading it generates what a fresh engine does. The
+    prefetch comes from the engine's own finishes (the requests say how their answers end), nothing by hand."""
     llm = LLM("tiny-random", kv_cache_tokens=512, host_kv_cache_tokens=1024, write_policy="write_back",
               prefetch=True)
+    clock = [0.0]
+    llm.scheduler.clock = lambda: clock[0]
+    tool = SamplingParams(4, session="s", stream=0, finish=Finish.TOOL_CALL)
     prompt = list(range(1, 201))
-    first = llm.generate([prompt], SamplingParams(4))[0]
-    context = np.array(prompt + first.token_ids[:-1])
+    first = llm.generate([prompt], tool)[0]  # a tool call at 0 s ...
+    clock[0] = 10.0  # ... back 10 s later: the pause learned, and another tool call
+    prompt = prompt + first.token_ids + [5, 6]
+    second = llm.generate([prompt], tool)[0]
+    context = np.array(prompt + second.token_ids[:-1])
     llm.allocator.free(llm.cache.evict(llm.cache.evictable_size))  # the device drops it: the host keeps it
-    assert llm.cache.device.total_size == 0 and llm.cache.tiers[0].cache.total_size == len(context)
-    # the session went to a tool call: one return seen after 10 s, and it went again 12 s ago (due 2 s ago)
-    now, tool = llm.scheduler.clock(), CacheHints(request=first.request_id, session="s", stream=0, stop="tool_use")
-    prefetcher = llm.scheduler.prefetcher
-    prefetcher.finished(context, None, tool, now - 30.0)
-    prefetcher.returned(tool, now - 20.0)
-    prefetcher.finished(context, None, tool, now - 12.0)
+    assert llm.cache.device.total_size == 0 and llm.cache.tiers[0].cache.total_size >= len(context)
+    clock[0] = 20.0  # due now (its load's lead before the predicted return)
     assert llm.step() == [] and llm.cache.device.held_length(context) == len(context)
+    assert llm.scheduler.prefetcher.prefetched == 1
     check_idle(llm.cache, llm.allocator)
     follow = list(context) + [7, 8, 9]
     got = llm.generate([follow], SamplingParams(4, session="s"))[0]

@@ -22,8 +22,9 @@ from radixkv.routing import Affinity, ReplicaView
 from radixkv.scheduling import RequestState, Scheduler
 from radixkv.scheduling import make_policy as make_schedule
 from radixkv.scheduling.policies import Candidate
-from radixkv.scheduling.session import SessionAware, _Held
+from radixkv.scheduling.session import SessionAware
 from radixkv.serving.protocol import ChatRequest
+from radixkv.sessions import Finish, Sessions
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.stack import check_idle
 from radixkv.workloads import agentic
@@ -145,6 +146,7 @@ def test_sessions_in_service_go_first_and_no_new_session_starts_past_the_device(
     # after a tool call A stays in service for its hold; after the end of a turn it leaves
     a.hints = a.hints._replace(stop="tool_use")
     sched.running.remove(a)
+    sched.sessions.finished(a.hints, clock[0], 520)  # as the scheduler's finish tells it
     policy.finished(a, 520)
     assert [x.request.rid for x in policy.order([_cand(s) for s in (b, c)])] == [2]
     clock[0] = 31.0  # both waited past max_wait: they go whatever the holds (soft), oldest session first
@@ -161,6 +163,7 @@ def test_an_aged_request_goes_before_sessions_in_service_so_none_starves():
     a = _req(2, "A", 600, stop="tool_use")
     sched.add(a)
     sched.waiting.remove(a)
+    sched.sessions.finished(a.hints, clock[0], 600)  # as the scheduler's finish tells it
     policy.finished(a, 600)  # A is in a tool call, holding 600 of 1,000: X (500) does not fit beside it
     clock[0] = 20.0
     a2 = _req(3, "A", 610)  # A's next call, after its tool ran
@@ -190,9 +193,9 @@ def test_in_batch_sharing_does_not_admit_what_the_session_policy_left_out():
     llm = LLM("tiny-random", kv_cache_tokens=256, page_size=1, schedule_policy="session", max_batch_tokens=64,
               chunked_prefill_size=64)
     sched = llm.scheduler
-    inner = sched.policy.inner
-    inner.held["H"] = _Held(230, sched.clock(), 0)  # a session in a tool pause holds 230 of 256
-    inner.pauses.observe(False, 100.0)  # its learned hold (200 s) outlasts the test
+    # a session in a tool pause holds 230 of 256; its learned hold (200 s) outlasts the test
+    sched.sessions.finished(CacheHints(session="H", stream=0, stop=Finish.TOOL_CALL), sched.clock(), 230)
+    sched.sessions.pauses.observe((False, Finish.TOOL_CALL, None), 100.0)
     shared = list(range(1, 41))  # A's prefill computes it all this step: B could borrow its slots
     a = RequestState(1, shared + [200], hints=CacheHints(session="H", stream=0))
     b = RequestState(2, shared + [201], hints=CacheHints(session="B", stream=0))
@@ -207,7 +210,8 @@ def test_nothing_running_means_the_oldest_waiting_request_is_offered():
     sched, policy = _scheduler(1000, clock)
     big = _req(1, "B", 900)
     sched.add(big)
-    policy.held["X"] = _Held(900, 0.0, 0)  # a session in a tool pause holds the device
+    # a session in a tool pause holds the device
+    sched.sessions.finished(CacheHints(session="X", stream=0, stop=Finish.TOOL_CALL), 0.0, 900)
     assert [c.request.rid for c in policy.order([_cand(big)])] == [1]  # the queue never stalls for a hold
 
 
@@ -226,13 +230,14 @@ def test_the_session_oracle_holds_exactly_the_real_pause_and_runs_only_in_the_si
     oracle = make_schedule("session-oracle")
     oracle.foresee(requests)
     clock = [0.0]
-    oracle.attach(type("S", (), {"clock": lambda self: clock[0]})())
+    oracle.attach(type("S", (), {"clock": lambda self: clock[0], "sessions": Sessions()})())
     first = next(r for r in requests if r.parent is None and any(c.parent == r.rid for c in requests))
     pause = next(c.think_time for c in requests if c.parent == first.rid)
     state = RequestState(first.rid, [1, 2], hints=CacheHints(session=first.session, stream=0, stop="tool_use"))
+    held = oracle.sessions.finished(state.hints, 0.0, 2)
     oracle.finished(state, 2)
-    assert not oracle._lapsed(first.session, oracle.held[first.session], pause)
-    assert oracle._lapsed(first.session, oracle.held[first.session], pause + 1e-6)
+    assert not oracle._lapsed((first.session, 0), held, pause)
+    assert oracle._lapsed((first.session, 0), held, pause + 1e-6)
     with pytest.raises(ValueError, match="session-oracle.*simulator"):
         LLM("tiny-random", kv_cache_tokens=512, schedule_policy="session-oracle")
     with pytest.raises(ValueError, match="future"):
@@ -271,8 +276,10 @@ def test_retention_learns_the_tool_pause_and_ranks_cold_turns_first():
     cache.insert(np.arange(200, 210), np.arange(20, 30), hints=CacheHints(request=3))  # unheld
     assert sorted(cache.evict(10).tolist()) == list(range(10, 20))  # cold first
     assert sorted(cache.evict(10).tolist()) == list(range(20, 30))  # then unheld
+    policy.sessions.finished(tool, 0.0)  # the scheduler tells its book (here the cache's own)
     clock[0] = 4.0
-    cache.match_prefix(np.arange(10), hints=CacheHints(request=4, session="A", stream=0))  # A came back after 4 s
+    policy.sessions.returned(CacheHints(request=4, session="A", stream=0), clock[0])  # A came back after 4 s
+    cache.match_prefix(np.arange(10), hints=CacheHints(request=4, session="A", stream=0))
     assert policy.hold_for(False) == pytest.approx(2 * 4.0) and policy.hold_for(True) == policy.hold_s
     assert sorted(cache.evict(10).tolist()) == list(range(10))  # a hold yields when nothing else can go
     cache.check_invariants()
@@ -326,7 +333,7 @@ def test_affinity_keeps_a_session_on_its_replica_until_that_replica_is_past_its_
     router.route(np.arange(9000, 10300), _views(2), session="big", now=3.0)
     assert router.counts["session"] == 1  # its replica is past its cliff: the usual rules decided
     router.route(np.arange(40000, 40010), _views(2), session="late", now=10_000.0)
-    assert set(router._homes) == {"late"}  # idle sessions leave after session_window seconds
+    assert router.sessions.homes.placed == {"late"}  # idle sessions leave after session_window seconds
 
 
 def test_the_cluster_simulator_routes_by_session_with_affinity_by_default(sessions):

@@ -46,8 +46,10 @@ class CacheHints(NamedTuple):
     None: anonymous), so that a policy counting reuse counts one per request, not one per lookup (a scheduler
     looks a waiting request up more than once, and re-matches what a running one just inserted).
     ``session`` and ``stream``: the conversation or agent session and its stream (0 the main agent, 1, 2, ...
-    its sub-agents) the request belongs to (None: unknown). ``stop``: how its answer ended (``tool_use``,
-    ``end_turn``, ...), where known: a trace replay knows it when the request is sent.
+    its sub-agents) the request belongs to (None: unknown); ``parent``: a sub-agent's parent stream. ``stop``:
+    how its answer ended (a ``radixkv.sessions.Finish``: ``tool_use``, ``end_turn``, ...), where known: a trace
+    replay knows it when the request is sent, the engine at its finish; ``tool``: the tool it called, where
+    known. ``radixkv.sessions.session_hints`` builds them, in the engine and the simulator alike.
     """
 
     priority: int = 0
@@ -56,6 +58,8 @@ class CacheHints(NamedTuple):
     session: Hashable = None
     stream: Hashable = None
     stop: str | None = None
+    parent: Hashable = None
+    tool: str | None = None
 
 
 NO_HINTS = CacheHints()

@@ -463,3 +463,12 @@ def _with_medium(listener: CacheListener, medium: str) -> CacheListener:
 def device_policy(cache: PrefixCache) -> Any:
     """The eviction policy of ``cache``'s device tier, with what it learned (None: a cache without one)."""
     return getattr(cache.device if isinstance(cache, TieredCache) else cache, "policy", None)
+
+
+def eviction_policies(cache: PrefixCache) -> list:
+    """The eviction policy objects of ``cache``: its own, or a tiered cache's device tier's and each lower
+    tier's (each tier ranks by a policy of its own); none for a cache without one (``NoPrefixCache``)."""
+    if isinstance(cache, TieredCache):
+        return [p for each in (cache.device, *(t.cache for t in cache.tiers)) for p in eviction_policies(each)]
+    policy = getattr(cache, "policy", None)
+    return [] if policy is None else [policy]

@@ -137,3 +137,17 @@ class KVPool:
     def __repr__(self) -> str:
         return (f"KVPool(layers={self.num_layers}, slots={self.num_slots}, page_size={self.page_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")
+
+
+def default_kv_tokens(bytes_per_slot: int, device: str = "cpu") -> int:
+    """KV pool size when none is given: a quarter of the memory available now, at least 1,024 and at
+    most 2**20 tokens. Available means the device's free memory on a GPU (after the weights are
+    loaded), the host's free pages otherwise."""
+    if torch.device(device).type == "cuda":
+        avail = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 4 << 30
+    return int(max(1024, min(avail // 4 // bytes_per_slot, 1 << 20)))

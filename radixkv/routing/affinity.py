@@ -21,7 +21,8 @@ a session's request goes to the replica its previous request went to (``session`
 **past its cliff**: the contexts of the sessions active there (each session's latest request, those seen in
 the last ``session_window`` seconds) exceed its memory, ``capacity_tokens`` plus ``host_capacity_tokens``.
 Then, and for a session's first request, the rules above decide. Without ``capacity_tokens`` no replica is
-ever past its cliff. The session rule reads the cluster's clock (``now``), the same in the simulator and on
+ever past its cliff. Where each session went is the router's sessions book (``radixkv.sessions.Sessions``,
+its ``Homes``). The session rule reads the cluster's clock (``now``), the same in the simulator and on
 Ray, where the clock is wall seconds.
 
 Keeping cumulative work within the slack of the mean bounds the computed-token imbalance the cluster
@@ -33,7 +34,6 @@ simulator and on Ray.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -42,6 +42,7 @@ import numpy as np
 from radixkv.checks import checked_number
 from radixkv.routing.base import ReplicaView, alive
 from radixkv.routing.trees import ReplicaTrees
+from radixkv.sessions import Sessions
 
 
 class Affinity:
@@ -64,15 +65,12 @@ class Affinity:
             if self.host_capacity_tokens and self.capacity_tokens else None
         self._work: list[float] = []
         self.session_window = checked_number(session_window, "session_window")
-        self._homes: dict[Hashable, tuple[int, int, float]] = {}  # session -> (replica, its context, last seen)
-        self._seen: list[tuple[float, int, Hashable]] = []  # (last seen, order, session): a heap, to expire the idle
-        self._active: list[int] = []  # per replica: context tokens of its active sessions
+        self.sessions = Sessions(homes_window=self.session_window)  # where each session went, and its context
 
     def route(self, tokens: np.ndarray, replicas: Sequence[ReplicaView], namespace: Hashable = None,
               now: float = 0.0, session: Hashable = None) -> int:
         up = [r.index for r in alive(replicas)]
         self._work += [0.0] * (len(replicas) - len(self._work))
-        self._active += [0] * (len(replicas) - len(self._active))
         matched = self._matched(tokens, namespace, len(replicas))
         n, work = len(tokens), self._work
         kept = self._session_home(session, up, now)
@@ -89,31 +87,18 @@ class Affinity:
         work[choice] += n - matched[choice]
         self._insert(choice, tokens, namespace)
         if session is not None:
-            self._place(session, choice, n, now)
+            self.sessions.homes.place(session, choice, n, now)
         self.counts[why] += 1
         return choice
 
     def _session_home(self, session: Hashable, up: list[int], now: float) -> int | None:
         """The replica the session's last request went to, if it is up and not past its cliff; else None."""
-        while self._seen and self._seen[0][0] < now - self.session_window:  # sessions gone idle leave
-            seen, _, idle = heapq.heappop(self._seen)
-            home = self._homes.get(idle)
-            if home is not None and home[2] == seen:
-                self._active[home[0]] -= home[1]
-                del self._homes[idle]
-        home = self._homes.get(session) if session is not None else None
-        if home is None or home[0] not in up:
+        homes = self.sessions.homes
+        home = homes.home(session, now)
+        if home is None or home not in up:
             return None
         limit = None if self.capacity_tokens is None else self.capacity_tokens + self.host_capacity_tokens
-        return home[0] if limit is None or self._active[home[0]] <= limit else None
-
-    def _place(self, session: Hashable, replica: int, tokens: int, now: float) -> None:
-        old = self._homes.get(session)
-        if old is not None:
-            self._active[old[0]] -= old[1]
-        self._homes[session] = (replica, tokens, now)
-        self._active[replica] += tokens
-        heapq.heappush(self._seen, (now, self.counts.total(), session))  # one route, one order
+        return home if limit is None or homes.active[home] <= limit else None
 
     def _matched(self, tokens: np.ndarray, namespace: Hashable, replicas: int) -> list[float]:
         """Each replica's believed prefix of ``tokens``, host-tier tokens weighted by ``host_weight``."""

@@ -53,6 +53,7 @@ from radixkv.cache.tiers import DEVICE
 from radixkv.memory import SlotAllocator
 from radixkv.scheduling.policies import Candidate, SchedulePolicy, admission_order
 from radixkv.scheduling.prefetch import Prefetcher
+from radixkv.sessions import Sessions
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -140,6 +141,9 @@ class Scheduler:
         self.hit_by_tier: dict[str, int] = {}  # ``cached_tokens`` by tier (a ``TieredCache``'s lower tiers)
         self.on_first_admit: Callable[[RequestState], None] | None = None
         self.clock: Callable[[], float] = time.monotonic  # seconds, for a policy that follows sessions
+        # the sessions' book (radixkv.sessions): told of each request queued and finished, read by the session
+        # policies, the eviction policy's too where it follows sessions (``build_stack`` hands it over)
+        self.sessions = Sessions()
         # a policy that follows sessions is told of each request queued and finished (one written before
         # sessions existed lacks the attribute: it follows none)
         self.follows_sessions = bool(getattr(policy, "follows_sessions", False))
@@ -150,10 +154,9 @@ class Scheduler:
     def add(self, state: RequestState) -> None:
         """Queue a request (it waits behind the others)."""
         self.waiting.append(state)
+        self.sessions.returned(state.hints, self.clock())  # its stream's pause is learned here, at its arrival
         if self.follows_sessions:
             self.policy.added(state)
-        if self.prefetcher is not None:
-            self.prefetcher.returned(state.hints, self.clock())
 
     # ---------------------------------------------------------------- prefetch
     def prefetch(self) -> int:
@@ -164,7 +167,12 @@ class Scheduler:
         if self.prefetcher is None or self.waiting:
             return 0
         due = self.prefetcher.due(self.clock())  # handed out even where nothing can load (no tier): never again
-        return sum(self._prefetch(c.tokens, c.namespace, c.hints) for c in due) if self.cache.tiers else 0
+        return sum(self._prefetch(tokens, namespace, hints) for tokens, namespace, hints in due) \
+            if self.cache.tiers else 0
+
+    def next_prefetch(self) -> float:
+        """When a context is next due back (this scheduler's clock; ``math.inf``: none, or no prefetcher)."""
+        return math.inf if self.prefetcher is None else self.prefetcher.next_due()
 
     def _prefetch(self, tokens: np.ndarray, namespace: Hashable, hints: CacheHints) -> int:
         """Load what the lower tiers hold of ``tokens`` past the device's match into free slots: the tokens
@@ -283,11 +291,12 @@ class Scheduler:
         release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
                          state.node, state.namespace, state.hints)
         self.running.remove(state)
+        awaited = self.sessions.finished(state.hints, self.clock(), len(sequence))
         if self.follows_sessions:
             self.policy.finished(state, len(sequence))
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and awaited is not None:
             cached = np.asarray(sequence)[: self.cache.cacheable_length(len(sequence))]
-            self.prefetcher.finished(cached, state.namespace, state.hints, self.clock())
+            self.prefetcher.finished(awaited, cached, state.namespace)
 
     def abort(self, s: RequestState) -> None:
         """Drop a waiting or running request: what it computed (its leading tokens with KV) is cached as

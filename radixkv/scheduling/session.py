@@ -8,13 +8,15 @@ evict another session's context, which then misses when that session comes back,
 long, which keeps more sessions waiting at once: a cliff. This policy keeps the device for the sessions it
 has started:
 
-* a session is **in service** while one of its requests runs, and after one finishes with a tool call
-  (``CacheHints.stop == "tool_use"``, known at the finish) for as long as its stream's tool pauses last
-  (learned online per stream kind, the main agent or a sub-agent: ``hold_factor`` x the mean pause seen so
-  far, ``hold`` seconds before any was seen); a finish that ends the turn takes it out of service;
+* a session is **in service** while one of its requests runs, and while one of its streams is held after a
+  tool call (``Finish.TOOL_CALL``, known at the finish) for as long as tool pauses of its kind last (the
+  scheduler's sessions book, ``radixkv.sessions``, learns them online per kind of stream, the main agent or
+  a sub-agent, and per tool where known: ``hold_factor`` x their mean, ``hold`` seconds before any was seen);
+  a stream held is keyed by (session, stream), so a sub-agent's finish neither replaces nor drops its main
+  agent's hold; any other finish of a stream ends its hold;
 * waiting requests of sessions in service come first, in arrival order: their contexts are resident;
 * any other waiting request starts only when the device holds it beside what the sessions in service
-  hold (the running requests' slots and each held session's last sequence), sessions that came first
+  hold (the running requests' slots and each held stream's last sequence), sessions that came first
   first (program order, as Continuum's FCFS over programs);
 * **bounded wait**: once any request has waited ``max_wait`` seconds, the requests that have are the only
   ones offered, oldest first, until they are admitted: no session in service goes ahead of them, and they
@@ -27,8 +29,8 @@ LRU the contexts of sessions out of service go first: theirs were used longest a
 eviction policy ranks a turn's end first and holds a tool call's).
 
 On the agentic trace (16 sessions, radix page 64, ``llama3-70b-8xh100``) with the ``session`` eviction
-policy, on a 1M-token device it lifts the hit rate from 0.181 to 0.712 and cuts mean TTFT from 777 s to 38 s
-against FCFS with LRU; over a 1M-token host tier, from 0.275 to 0.887 and from 657 s to 7.5 s
+policy, on a 1M-token device it lifts the hit rate from 0.181 to 0.722 and cuts mean TTFT from 777 s to 42 s
+against FCFS with LRU; over a 1M-token host tier, from 0.275 to 0.894 and from 657 s to 6.4 s
 (docs/agentic.md has the tables and the commands).
 
 It needs the session hints (``CacheHints.session``, ``stream``, ``stop``), which the simulator takes from an
@@ -41,16 +43,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from radixkv.cache.eviction.session import TOOL_USE, ToolPauses
-
-
-class _Held:
-    """A session between a tool call's answer and its next request: the context it left and when."""
-
-    __slots__ = ("footprint", "since", "stream")
-
-    def __init__(self, footprint: int, since: float, stream: Hashable):
-        self.footprint, self.since, self.stream = footprint, since, stream
+from radixkv.cache.eviction.session import learned_hold
+from radixkv.sessions import Awaited, Finish, Sessions, is_sub_agent
 
 
 class SessionAware:
@@ -66,53 +60,45 @@ class SessionAware:
                 raise ValueError(f"session policy: {key} must be a number > 0, got {value!r}")
         self.max_wait, self.hold, self.hold_factor = float(max_wait), float(hold), float(hold_factor)
         self.scheduler: Any = None
-        self.held: dict[Hashable, _Held] = {}  # sessions in a tool pause
+        self.sessions = Sessions()  # the scheduler's, once attached
         self.since: dict[int, float] = {}  # rid -> when it joined the queue
         self.started: dict[Hashable, float] = {}  # session -> when its first request came (program order)
-        self.pauses = ToolPauses(self.hold, self.hold_factor)
 
     # ------------------------------------------------------------ what the scheduler tells it
     def attach(self, scheduler: Any) -> None:
-        """Read the scheduler's clock, running requests and device capacity from now on."""
-        self.scheduler = scheduler
+        """Read the scheduler's clock, running requests, device capacity and sessions book from now on."""
+        self.scheduler, self.sessions = scheduler, scheduler.sessions
 
     def added(self, state: Any) -> None:
-        """A request joined the queue; the tool pause it ends is learned."""
+        """A request joined the queue (the book learned the pause it ends)."""
         now = self.scheduler.clock()
         self.since[state.rid] = now
         if state.hints.session is not None:  # a request of no session is ordered by its own arrival
             self.started.setdefault(state.hints.session, now)
-        held = self.held.get(_key(state))
-        if held is not None and held.stream == state.hints.stream:
-            self.pauses.observe(bool(held.stream), now - held.since)
 
     def finished(self, state: Any, length: int) -> None:
-        """A request finished leaving ``length`` tokens of context; its hints say how its answer ended."""
+        """A request finished leaving ``length`` tokens of context (the book knows how its answer ended)."""
         self.since.pop(state.rid, None)
-        if self._holds(state):
-            self.held[_key(state)] = _Held(length, self.scheduler.clock(), state.hints.stream)
-        else:
-            self.held.pop(_key(state), None)
-
-    def _holds(self, state: Any) -> bool:
-        """Whether a finished request's session stays in service: its answer ended in a tool call."""
-        return state.hints.stop == TOOL_USE
 
     # ------------------------------------------------------------ the order
-    def hold_for(self, sub_agent: bool) -> float:
-        """Seconds a session stays in service after a tool call of this stream kind."""
-        return self.pauses.hold(sub_agent)
+    def hold_for(self, sub_agent: bool, tool: str | None = None) -> float:
+        """Seconds a stream stays in service after a tool call of this stream kind (and tool)."""
+        return learned_hold(self.sessions, sub_agent, tool, self.hold, self.hold_factor)
+
+    def held(self, now: float) -> dict[tuple[Hashable, Hashable], Awaited]:
+        """The streams held now, by (session, stream): awaited after a tool call, within their hold."""
+        return {k: a for k, a in self.sessions.after(Finish.TOOL_CALL).items() if not self._lapsed(k, a, now)}
 
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         """The waiting ``Candidate``s to offer, in order (those left out wait)."""
         now, scheduler = self.scheduler.clock(), self.scheduler
-        for key in [k for k, h in self.held.items() if self._lapsed(k, h, now)]:
-            del self.held[key]  # its pause outlasted the hold: out of service
-        running = {}
+        held = self.held(now)
+        running: dict[Hashable, int] = {}
         for s in scheduler.running:
-            running[_key(s)] = running.get(_key(s), 0) + len(s.slots)
-        # what running requests hold, and the contexts of sessions held through a tool call
-        committed = sum(running.values()) + sum(h.footprint for k, h in self.held.items() if k not in running)
+            running[_stream(s)] = running.get(_stream(s), 0) + len(s.slots)
+        # what running requests hold, and the contexts of streams held through a tool call
+        committed = sum(running.values()) + sum(a.length for k, a in held.items() if k not in running)
+        in_service = {k[0] for k in running} | {k[0] for k in held}  # sessions (a request of none: its own)
         capacity = scheduler.allocator.capacity
         self._forget(waiting, scheduler.running)
         aged = [c for c in waiting if now - self.since.get(c.request.rid, now) >= self.max_wait]
@@ -120,7 +106,7 @@ class SessionAware:
             return sorted(aged, key=lambda c: c.order)
         first, rest = [], []
         for c in sorted(waiting, key=lambda c: c.order):
-            (first if _key(c.request) in running or _key(c.request) in self.held else rest).append(c)
+            (first if _key(c.request) in in_service else rest).append(c)
         for c in sorted(rest, key=lambda c: (self.started.get(_key(c.request), self.since.get(c.request.rid, now)),
                                               c.order)):
             if committed + len(c.tokens) <= capacity:
@@ -130,9 +116,9 @@ class SessionAware:
             first.append(min(waiting, key=lambda c: c.order))  # nothing runs: the oldest goes, never a stall
         return first
 
-    def _lapsed(self, key: Hashable, held: _Held, now: float) -> bool:
-        """Whether a held session's pause outlasted its hold."""
-        return now - held.since > self.hold_for(bool(held.stream))
+    def _lapsed(self, key: tuple[Hashable, Hashable], held: Awaited, now: float) -> bool:
+        """Whether a held stream's pause outlasted its hold."""
+        return now - held.finished > self.hold_for(is_sub_agent(held.hints.stream), held.hints.tool)
 
     def _forget(self, waiting: Sequence[Any], running: Sequence[Any]) -> None:
         """Drop what requests that left without finishing (aborted, withdrawn) and long-gone sessions left
@@ -141,14 +127,21 @@ class SessionAware:
         if len(self.since) > len(live):
             rids = {s.rid for s in live}
             self.since = {rid: t for rid, t in self.since.items() if rid in rids}
-        if len(self.started) > 2 * (len(live) + len(self.held)) + 1024:
-            keep = {_key(s) for s in live} | set(self.held)
+        awaited = self.sessions.after(Finish.TOOL_CALL)
+        if len(self.started) > 2 * (len(live) + len(awaited)) + 1024:
+            keep = {_key(s) for s in live} | {k[0] for k in awaited}
             self.started = {k: t for k, t in self.started.items() if k in keep}
 
 
 def _key(state: Any) -> Hashable:
+    """A request's session (one of no session is a session of its own)."""
     session = state.hints.session
     return ("request", state.rid) if session is None else session
+
+
+def _stream(state: Any) -> tuple[Hashable, Hashable]:
+    """A request's (session, stream), as the book keys them."""
+    return _key(state), state.hints.stream
 
 
 class SessionOracle(SessionAware):
@@ -164,7 +157,7 @@ class SessionOracle(SessionAware):
     def __init__(self, max_wait: float = 3600.0):
         super().__init__(max_wait=max_wait)
         self.pause: dict[int, float] | None = None  # rid -> seconds before its session's next request is sent
-        self.until: dict[Hashable, float] = {}  # held session -> when its next request comes
+        self.until: dict[tuple[Hashable, Hashable], float] = {}  # held stream -> when its next request comes
         self._back: set[Hashable] = set()
 
     def foresee(self, requests: Sequence[Any]) -> None:
@@ -174,17 +167,17 @@ class SessionOracle(SessionAware):
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         if self.pause is None:
             raise ValueError("schedule policy 'session-oracle' needs the workload's future: only simulate runs it")
-        self._back = {_key(c.request) for c in waiting}  # sessions whose next request came: held until it runs
+        self._back = {_stream(c.request) for c in waiting}  # streams whose next request came: held until it runs
         return super().order(waiting)
 
     def finished(self, state: Any, length: int) -> None:
         super().finished(state, length)
-        if _key(state) in self.held:
-            self.until[_key(state)] = self.scheduler.clock() + self.pause[state.rid]
+        key = _stream(state)
+        if state.hints.stop == Finish.TOOL_CALL and state.rid in self.pause:
+            self.until[key] = self.scheduler.clock() + self.pause[state.rid]
+        else:  # no next request: out of service at once
+            self.until.pop(key, None)
 
-    def _holds(self, state: Any) -> bool:
-        return super()._holds(state) and state.rid in self.pause
-
-    def _lapsed(self, key: Hashable, held: _Held, now: float) -> bool:
+    def _lapsed(self, key: tuple[Hashable, Hashable], held: Awaited, now: float) -> bool:
         # past its pause with no request back: its next one waits for others (``after``), as any request
-        return now > self.until[key] and key not in self._back
+        return key not in self.until or (now > self.until[key] and key not in self._back)

@@ -1,15 +1,18 @@
-"""The OpenAI-compatible HTTP front (FastAPI): routes, errors, streaming, metrics.
+"""The OpenAI- and Anthropic-compatible HTTP front (FastAPI): routes, errors, streaming, metrics.
 
 ``build_app(engine, ...)`` returns the app; ``radixkv serve`` runs it under uvicorn. The routes only
 queue work on the ``AsyncLLM`` and read what it sends back: they never touch the cache or the pool.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as Server-Sent Events,
-``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus),
+``stream_options.include_usage``; tools and ``response_format``: ``radixkv.serving.tools``),
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API, errors in its shape:
+``radixkv.serving.messages``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus),
 ``POST /flush_cache`` (SGLang's: empty the prefix cache of what no running request holds), ``GET /v1/cache``
 (the cache's stats, sizes, and whether its invariants hold). Every response carries ``usage`` with
 ``prompt_tokens_details.cached_tokens``. ``return_token_ids: true`` (vLLM's extra) adds the prompt's and
 the completion's token ids. Errors have OpenAI's shape: 400 bad input, 401 a missing or wrong API key,
-404 an unknown model, 413 a body over ``max_body_bytes``, 500 a request that failed in the engine.
+404 an unknown model, 413 a body over ``max_body_bytes``, 500 a request that failed in the engine. The API
+key is taken as ``Authorization: Bearer KEY`` or as ``x-api-key: KEY`` (how Anthropic's clients send it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -27,17 +30,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from radixkv.inputs import KnownAnswers
+from radixkv.serving import messages as anthropic
 from radixkv.serving.async_llm import AsyncLLM, Delta
 from radixkv.serving.metrics import ServerMetrics
-from radixkv.serving.protocol import ChatRequest, CompletionRequest, error_body
+from radixkv.serving.protocol import ApiError, ChatRequest, CompletionRequest, error_body
+from radixkv.serving.tools import Answer, ToolPlan, chat_chunks, chat_message, openai_messages, openai_plan
+from radixkv.sessions import Finish
+
+__all__ = ["ApiError", "build_app"]  # ApiError is protocol's (tools and messages raise it too)
 
 MAX_BODY_BYTES = 4 << 20  # a request body over this is refused with 413 (4 MiB: a 500k-token id list)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+ANTHROPIC_PATH = "/v1/messages"  # its routes answer errors in Anthropic's shape
+ANTHROPIC_KINDS = {"server_error": "api_error"}  # OpenAI's error types that Anthropic names otherwise
 
 
 def build_app(engine: AsyncLLM, model_name: str, *, api_key: str | None = None,
@@ -50,6 +55,8 @@ def build_app(engine: AsyncLLM, model_name: str, *, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if isinstance(engine, AsyncLLM):  # tools' constrained decoding ready before the first request comes
+            await engine.call(lambda llm: llm.grammars.warm())
         yield
         await engine.shutdown()
 
@@ -65,7 +72,20 @@ def build_app(engine: AsyncLLM, model_name: str, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await serve.run(request, body, serve.chat_prompt(body), "chat.completion")
+        serve.check_model(body.model)
+        tools = openai_plan(body)
+        ids = serve.chat_ids(openai_messages(body.messages), tools.tools)
+        return await serve.run(request, body, ids, "chat.completion", tools)
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        return await serve.messages(request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest):
+        serve.check_model(body.model)
+        found = anthropic.translate(body)
+        return {"input_tokens": len(serve.chat_ids(found.conv, found.tools.tools))}
 
     return app
 
@@ -77,25 +97,28 @@ def _add_guards(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
     async def guard(request: Request, call_next):
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return _error(413, f"request body over {max_body_bytes} bytes", "request_too_large")
+            return _error(request, 413, f"request body over {max_body_bytes} bytes", "request_too_large")
         protected = request.url.path.startswith("/v1/") or request.url.path == "/flush_cache"
-        if api_key is not None and protected and request.headers.get("authorization") != f"Bearer {api_key}":
-            return _error(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")
+        sent = (request.headers.get("authorization"), request.headers.get("x-api-key"))
+        if api_key is not None and protected and f"Bearer {api_key}" != sent[0] and api_key != sent[1]:
+            return _error(request, 401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                          "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(400, f"{first.get('msg', 'invalid request')}" + (f": {param}" if param else ""), param=param)
+        return _error(request, 400, f"{first.get('msg', 'invalid request')}" + (f": {param}" if param else ""),
+                      param=param)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return _error(exc.status, exc.message, exc.kind, exc.param)
+        return _error(request, exc.status, exc.message, exc.kind, exc.param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        return _error(request, exc.status_code, str(exc.detail), "invalid_request_error")
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics, model_name: str) -> None:
@@ -129,9 +152,12 @@ class _Serving:
     def __init__(self, engine: AsyncLLM, metrics: ServerMetrics, model_name: str, default_max_tokens: int):
         self.engine, self.metrics, self.model_name = engine, metrics, model_name
         self.default_max_tokens = default_max_tokens
+        self.answers = KnownAnswers()  # chat answers' own token ids, for the turns that send them back
+        tokenizer = engine.prompts.tokenizer
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         prompt = body.prompt
@@ -146,37 +172,91 @@ class _Serving:
         except ValueError as e:  # no tokenizer
             raise ApiError(400, str(e), param="prompt") from None
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
-        self._check_model(body.model)
+    def chat_ids(self, conv: list[dict], tools: list[dict] | None) -> list[int]:
+        """A conversation (``Prompts.chat_prompt``'s messages) and its tools through the chat template."""
         try:
-            return self.engine.prompts.chat_prompt([m.model_dump() for m in body.messages])
+            return self.engine.prompts.chat_prompt(conv, tools, known=self.answers)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model")
 
-    async def run(self, request: Request, body, ids: list[int], kind: str):
+    async def run(self, request: Request, body, ids: list[int], kind: str, tools: ToolPlan | None = None):
+        """An OpenAI completion or chat completion of the prompt ``ids``."""
+        tools = tools or ToolPlan()
         try:
-            params = body.sampling(self.default_max_tokens)
+            params = body.sampling(self.default_max_tokens, **tools.sampling())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        track = _Track(self.metrics)
-        gen = self.engine.generate(ids, params, rid, stop=body.stop_strings())
+        gen, first, track = await self._start(ids, params, rid, body.stop_strings(), kind == "chat.completion")
+        head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            answer = Answer(tools.parser) if kind == "chat.completion" else None
+            events = _ChunkEvents(head, body, answer)
+            return StreamingResponse(self._stream(gen, first, track, events), media_type="text/event-stream")
+        deltas = await self._collect(request, gen, first, track)
+        if deltas is None:
+            return Response(status_code=499)
+        last = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        tokens = [t for d in deltas for t in d.token_ids]
+        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if kind == "chat.completion":
+            choice["message"], choice["finish_reason"] = chat_message(text, last)
+        else:
+            choice["text"] = text
+        extra = {}
+        if getattr(body, "return_token_ids", False):
+            choice["token_ids"], extra["prompt_token_ids"] = tokens, ids
+        return {**head, "choices": [choice], "usage": _usage(last), **extra}
+
+    async def messages(self, request: Request, body: anthropic.MessagesRequest):
+        """An Anthropic Messages answer (``radixkv.serving.messages``)."""
+        self.check_model(body.model)
+        found = anthropic.translate(body)
+        ids = self.chat_ids(found.conv, found.tools.tools)
+        try:
+            params = body.sampling(found.tools, found.ttl)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        rid = anthropic.message_id()
+        gen, first, track = await self._start(ids, params, rid, body.stop_sequences or [], chat=True)
+        tokenizer = self.engine.prompts.tokenizer
+        reply = anthropic.Reply({"id": rid, "type": "message", "role": "assistant", "model": self.model_name},
+                                body.stop_sequences or [], self.engine.config.prefix_cache != "none",
+                                lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
+        if body.stream:
+            events = anthropic.MessageEvents(reply, found.tools.parser)
+            return StreamingResponse(self._stream(gen, first, track, events), media_type="text/event-stream")
+        deltas = await self._collect(request, gen, first, track)
+        return Response(status_code=499) if deltas is None else anthropic.message_body(reply, deltas)
+
+    async def _start(self, ids: list[int], params, rid: str, stop: list[str], chat: bool = False):
+        """Queue the request; its generator, first delta and metrics (``ApiError`` for a prompt it refuses).
+        ``chat``: a chat answer, whose token ids the next turn takes (``KnownAnswers``)."""
+        track = _Track(self.metrics, self._remember if chat else None)
+        gen = self.engine.generate(ids, params, rid, stop=stop)
         try:
             first = await gen.__anext__()
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
         track.add(first)
-        head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
-        if body.stream:
-            return StreamingResponse(self._events(gen, first, head, body, ids, track), media_type="text/event-stream")
-        return await self._whole(request, gen, first, head, body, ids, track)
+        return gen, first, track
 
-    async def _whole(self, request: Request, gen, first: Delta, head: dict, body, ids: list[int], track):
+    def _remember(self, text: str, ids: list[int], finish_kind: str | None) -> None:
+        """A chat answer the engine finished whole (a stop string cut its text from its tokens: not that one),
+        its ids without the stop token the template writes after it."""
+        if finish_kind in (Finish.END_TURN, Finish.TOOL_CALL, Finish.LENGTH):
+            while ids and ids[-1] in self.special:
+                ids = ids[:-1]
+            self.answers.add(text, ids)
+
+    async def _collect(self, request: Request, gen, first: Delta, track) -> list[Delta] | None:
+        """Every delta of a request answered whole; None where the client went away (the request is aborted)."""
         deltas = [first]
 
         async def collect():
@@ -189,59 +269,83 @@ class _Serving:
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and await request.is_disconnected():
                 task.cancel()  # closes the generator: the request is aborted
-                return Response(status_code=499)
+                return None
         if task is not None:
             task.result()
-        last = deltas[-1]
-        if last.finish_reason == "error":
-            raise ApiError(500, f"the request failed in the engine: {last.error}", "server_error")
-        text = "".join(d.text for d in deltas)
-        tokens = [t for d in deltas for t in d.token_ids]
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if head["object"] == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        extra = {}
-        if getattr(body, "return_token_ids", False):
-            choice["token_ids"], extra["prompt_token_ids"] = tokens, ids
-        return {**head, "choices": [choice], "usage": _usage(last), **extra}
+        if deltas[-1].finish_reason == "error":
+            raise ApiError(500, f"the request failed in the engine: {deltas[-1].error}", "server_error")
+        return deltas
 
-    async def _events(self, gen, first: Delta, head: dict, body, ids: list[int], track) -> AsyncIterator[str]:
-        chunk_kind = "chat.completion.chunk" if head["object"] == "chat.completion" else "text_completion"
-        last, role_sent = first, False
+    async def _stream(self, gen, first: Delta, track, events) -> AsyncIterator[str]:
+        """A request's Server-Sent Events: ``events.start(first)``, then ``events.feed(delta)`` for each delta."""
         try:
+            for line in events.start(first):
+                yield line
             delta = first
             while True:
-                if delta.finish_reason == "error":
-                    yield _sse(error_body(f"the request failed in the engine: {delta.error}", "server_error"))
-                    break
-                choice: dict = {"index": 0, "finish_reason": delta.finish_reason, "logprobs": None}
-                if chunk_kind == "text_completion":
-                    choice["text"] = delta.text
-                else:
-                    choice["delta"] = {"content": delta.text} | ({} if role_sent else {"role": "assistant"})
-                    role_sent = True
-                if getattr(body, "return_token_ids", False):
-                    choice["token_ids"] = delta.token_ids
-                yield _sse({**head, "object": chunk_kind, "choices": [choice]})
-                last = delta
+                for line in events.feed(delta):
+                    yield line
                 if delta.finish_reason is not None:
                     break
                 delta = await gen.__anext__()
                 track.add(delta)
-            if body.include_usage():
-                yield _sse({**head, "object": chunk_kind, "choices": [], "usage": _usage(last)})
-            yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()  # a client gone mid-stream: the request is aborted here
 
 
-class _Track:
-    """One request's latency metrics as its deltas arrive at the server."""
+class _ChunkEvents:
+    """OpenAI's chunks for one streamed (chat) completion: a chunk per delta (a chat answer's text held back
+    and its calls streamed by ``chat_chunks``), the usage chunk if asked, then ``[DONE]``. ``answer``: the
+    chat answer's ``Answer`` (None: a text completion)."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, head: dict, body, answer: Answer | None):
+        self.head, self.body, self.answer = head, body, answer
+        self.kind = "text_completion" if answer is None else "chat.completion.chunk"
+        self.last: Delta | None = None
+        self.role_sent, self.pending = False, []  # token ids not yet sent (return_token_ids)
+
+    def start(self, first: Delta) -> list[str]:
+        return []
+
+    def feed(self, delta: Delta) -> list[str]:
+        out = []
+        if delta.finish_reason == "error":
+            out.append(_sse(error_body(f"the request failed in the engine: {delta.error}", "server_error")))
+        else:
+            out += [_sse({**self.head, "object": self.kind, "choices": [self.choice(piece, finish)]})
+                    for piece, finish in self.pieces(delta)]
+            self.last = delta
+        if delta.finish_reason is not None:
+            if self.body.include_usage() and self.last is not None:
+                out.append(_sse({**self.head, "object": self.kind, "choices": [], "usage": _usage(self.last)}))
+            out.append("data: [DONE]\n\n")
+        return out
+
+    def pieces(self, delta: Delta) -> list[tuple[dict, str | None]]:
+        self.pending += delta.token_ids
+        if self.answer is None:
+            return [({"text": delta.text}, delta.finish_reason)]
+        return chat_chunks(self.answer, delta)
+
+    def choice(self, piece: dict, finish: str | None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.answer is None:
+            choice["text"] = piece["text"]
+        else:
+            choice["delta"] = piece | ({} if self.role_sent else {"role": "assistant"})
+            self.role_sent = True
+        if getattr(self.body, "return_token_ids", False):
+            choice["token_ids"], self.pending = self.pending, []
+        return choice
+
+
+class _Track:
+    """One request's latency metrics as its deltas arrive at the server, and its answer for ``remember(text,
+    ids, finish_kind)`` at the finish (None: not kept)."""
+
+    def __init__(self, metrics: ServerMetrics, remember: Callable[[str, list[int], str | None], None] | None = None):
         self.metrics, self.start, self.last = metrics, time.monotonic(), None
+        self.remember, self.text, self.ids = remember, [], []
 
     def add(self, d: Delta) -> None:
         m, now = self.metrics.replica(d.replica), time.monotonic()
@@ -256,9 +360,14 @@ class _Track:
                 m.itl.observe((now - self.last) / len(d.token_ids))
         m.generation_tokens.inc(len(d.token_ids))
         self.last = now
+        if self.remember is not None:
+            self.text.append(d.text)
+            self.ids += d.token_ids
         if d.finish_reason is not None:
             m.e2e.observe(now - self.start)
             m.requests.inc()
+            if self.remember is not None:
+                self.remember("".join(self.text), self.ids, d.finish_kind)
 
 
 def _usage(d: Delta) -> dict:
@@ -271,5 +380,12 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error",
+           param: str | None = None) -> JSONResponse:
+    """An error in the shape of the endpoint's API: Anthropic's on its routes (the field in the message), else
+    OpenAI's."""
+    if request.url.path.startswith(ANTHROPIC_PATH):
+        message = message if param is None or param in message else f"{param}: {message}"
+        body = {"type": "error", "error": {"type": ANTHROPIC_KINDS.get(kind, kind), "message": message}}
+        return JSONResponse(body, status_code=status)
     return JSONResponse(error_body(message, kind, param, status), status_code=status)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from radixkv.config import SamplingParams
 from radixkv.engine import LLM, EngineStalledError
 from radixkv.serving.metrics import engine_gauges
+from radixkv.sessions import Finish
+from radixkv.tool_calls import ToolCall
 
 
 @dataclass
@@ -43,6 +46,10 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     replica: int | None = None  # which replica served it, behind ``radixkv serve --replicas N``
+    # the last delta's: how the answer ended, and what the request's tool parser found in it (the engine's)
+    finish_kind: str | None = None  # a ``radixkv.sessions.Finish`` value
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None  # the answer's text outside its tool calls (None: no tool parser)
 
 
 @dataclass(eq=False)
@@ -82,6 +89,7 @@ class AsyncLLM:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
+        self.prefetched = 0  # tokens loaded back by due prefetches while no request was in
 
     # ------------------------------------------------------------- the asyncio side
     async def start(self) -> None:
@@ -173,11 +181,24 @@ class AsyncLLM:
             with self._lock:
                 idle = not self._inbox
             if idle and not self.llm.has_unfinished():
-                await self._wake.wait()
-                self._wake.clear()
+                # nothing in: sleep until a request comes, or until a session's context is due back (prefetch);
+                # the engine thread is idle here, so reading its prefetcher is safe
+                wait = self.llm.scheduler.next_prefetch() - self.llm.scheduler.clock()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), None if wait == math.inf else max(wait, 0.0))
+                    self._wake.clear()
+                except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11
+                    await loop.run_in_executor(self._executor, self._prefetch)
                 continue
             await loop.run_in_executor(self._executor, self._turn)
         await loop.run_in_executor(self._executor, self._turn)  # the last aborts
+
+    def _prefetch(self) -> None:
+        """A due prefetch while no request is in (one that fails leaves the books whole: ``LLM.prefetch``)."""
+        try:
+            self.prefetched += self.llm.prefetch()
+        except Exception:
+            return
 
     # ------------------------------------------------------------- the engine thread
     def _turn(self) -> None:
@@ -240,11 +261,14 @@ class AsyncLLM:
         delta_text, stop_at = text[len(stream.text) :], _first_stop(text, stream.stop, len(stream.text))
         if stop_at is not None:  # a stop string: the text ends before it, and so does the request
             delta_text = text[len(stream.text) : stop_at]
-            self._send(stream, Delta(stream.request_id, new, delta_text, len(prompt), cached, len(output), "stop"))
-            self.llm.abort(stream.engine_id)
+            self._send(stream, Delta(stream.request_id, new, delta_text, len(prompt), cached, len(output), "stop",
+                                     finish_kind=Finish.STOP_SEQUENCE.value))
+            self.llm.abort(stream.engine_id, Finish.STOP_SEQUENCE)  # the session books see how it ended
             return
         if delta_text.endswith("\ufffd"):  # a character cut in two: wait for its other bytes
             delta_text = delta_text.rstrip("\ufffd")
+        held = _partial_stop(stream.text + delta_text, stream.stop)  # may be a stop string's start: not sent yet
+        delta_text = delta_text[: len(delta_text) - held] if held <= len(delta_text) else ""
         stream.sent, stream.text = len(output), stream.text + delta_text
         self._send(stream, Delta(stream.request_id, new, delta_text, len(prompt), cached, len(output)))
 
@@ -255,8 +279,10 @@ class AsyncLLM:
         if stream.done:
             return
         tail = out.text[len(stream.text) :]  # decoded once, by the engine
+        kind = None if out.finish_kind is None else Finish(out.finish_kind).value
         self._send(stream, Delta(stream.request_id, out.token_ids[stream.sent :], tail, out.num_prompt_tokens,
-                                 out.num_cached_tokens, len(out.token_ids), out.finish_reason, out.error))
+                                 out.num_cached_tokens, len(out.token_ids), out.finish_reason, out.error,
+                                 finish_kind=kind, tool_calls=out.tool_calls, content=out.content))
 
     def _fail(self, stream: _Stream | None, message: str) -> None:
         if stream is None or stream.done:
@@ -281,6 +307,12 @@ def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     """Where the first stop string begins in ``text``, searching what is new since ``start``."""
     hits = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
     return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could begin a stop string (vLLM holds them back too): sent
+    once the next tokens show they do not. O(sum of the stop strings' squared lengths)."""
+    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -24,6 +24,7 @@ from radixkv.cache.future import FutureUses
 from radixkv.cache.tiers import DEVICE
 from radixkv.cost import CostModel
 from radixkv.scheduling import RequestState, Scheduler, causal_pairs
+from radixkv.sessions import MAIN_STREAM, session_hints
 from radixkv.workloads.request import Request
 
 
@@ -189,8 +190,8 @@ class Replica:
             self._reject(req)
         else:
             hints = CacheHints(req.priority, req.ttl)
-            if "stream" in req.meta:  # a session of streams (an agent trace): who it is and how it ends
-                hints = hints._replace(session=req.session, stream=req.meta["stream"])
+            if "stream" in req.meta:  # a session of streams (an agent trace): who it is (how it ends: at its finish)
+                hints = session_hints(hints, req.session, req.meta["stream"], _parent(req.meta["stream"]))
             self.scheduler.add(Running(req.rid, req.tokens() if tokens is None else tokens, req.namespace,
                                        hints=hints, req=req, ready=self.feed.ready_at[req.rid]))
 
@@ -210,7 +211,8 @@ class Replica:
         req = run.req
         seq = np.concatenate([run.prompt, output_tokens(req, self.feed.fresh)[:-1]])
         if "stop" in req.meta:  # how its answer ended is known now, as an engine knows it when it stops
-            run.hints = run.hints._replace(stop=req.meta["stop"])
+            run.hints = session_hints(run.hints, run.hints.session, run.hints.stream, run.hints.parent,
+                                      req.meta["stop"])
         self.scheduler.finish(run, seq)
         n = len(run.prompt)
         saved = self.cost.saved_prefill_time(n, run.hit)  # every tier's hits: none of them was computed
@@ -344,3 +346,8 @@ def numbered(requests: list[Request]) -> list[Request]:
     return [replace(requests[old], rid=new, parent=None if requests[old].parent is None
                     else new_id[requests[old].parent], after=tuple(new_id[d] for d in requests[old].after))
             for new, old in enumerate(order)]
+
+
+def _parent(stream: int) -> int | None:
+    """A trace's sub-agent hangs from its session's main agent (``radixkv.workloads.agentic``)."""
+    return None if stream == MAIN_STREAM else MAIN_STREAM

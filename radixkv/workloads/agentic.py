@@ -40,11 +40,12 @@ from pathlib import Path
 import numpy as np
 
 from radixkv.checks import is_int, is_real
+from radixkv.sessions import AWAITED, is_sub_agent
 from radixkv.workloads.jsonl import integer, read_records
 from radixkv.workloads.request import BlockPrompt, Request, number
 
 AGENTIC_BLOCK = 64
-STOPS = ("tool_use", "end_turn", "")
+STOPS = (*(f.value for f in AWAITED), "")  # the trace records these finishes ("": not recorded)
 MAX_BLOCK_ID = 1 << 40  # a session's local ids; global ids stay far below the tails' range
 TAIL_BASE = 1 << 58  # first token id of the partial last blocks (each request its own 64 ids past it)
 _FIELDS = ("session", "stream", "t", "input_length", "output_length", "block_runs")
@@ -184,7 +185,7 @@ class _Layout:
             out.append(Request(arrival=arrival, session=row["session"], prompt=prompt,
                                output_len=max(row["output_length"], 1), parent=parent, think_time=pause, meta=meta))
             last[stream] = len(out) - 1
-            if stream == 0:
+            if not is_sub_agent(stream):
                 main.append(len(out) - 1)
 
     def _reusable(self, prompt: BlockPrompt) -> int:
@@ -203,7 +204,7 @@ class _Layout:
         if stream in last:
             parent = last[stream]
         else:  # a sub-agent's first request, or the session's first: the main agent's latest sent before it
-            before = [i for i in main if out[i].meta["t"] <= row["t"]] if stream else []
+            before = [i for i in main if out[i].meta["t"] <= row["t"]] if is_sub_agent(stream) else []
             if not before:
                 return None, 0.0
             parent = before[-1]

@@ -51,9 +51,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 from radixkv.cache.base import CacheHints
 from radixkv.cache.eviction.base import Entry, EvictionPolicy, Ghosts, check_param, reused
+from radixkv.sessions import AWAITED
 
 SHARED, TAIL, TURN1 = 0, 1, 2  # then turn 2 x gap bucket, turn 3+ x gap bucket, then the finished classes
-STOPS = ("tool_use", "end_turn")  # then any other stop reason
+STOPS = AWAITED  # a tool call, a turn's end; then any other finish
 DEPTH_EDGES, LENGTH_EDGES = (8, 64), (32_768, 131_072)  # turns, tokens
 
 
