@@ -51,7 +51,7 @@ from radixkv.cost import COST_PRESETS, CostModel
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.sim.cluster import cluster_references
-from radixkv.workloads import Request, agentic
+from radixkv.workloads import SPLITS, Request, agentic
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
 RESULTS = "agentic.jsonl"
@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None):
                    help=f"part sessions' host tier layouts, of {HOST_LAYOUTS} (radixkv.cache.segments)")
     p.add_argument("--max-pause", type=float, default=None, help="cap on every recorded pause, seconds")
     p.add_argument("--sessions", type=int, default=None, help="only the first N sessions of the seeded order")
+    p.add_argument("--split", default=None, choices=SPLITS, help="only the sessions on this side of the project's "
+                   "tune/test split (radixkv.workloads.split_of; None: every session, as the tables so far)")
     p.add_argument("--engine", action="store_true",
                    help="instead of the grid: a few sessions through radixkv.LLM, scaled down, and the simulator's "
                         "prediction of each request's hit (OUT/engine.jsonl)")
@@ -121,7 +123,7 @@ def grid(args) -> list[dict]:
     for conc in concs:
         for preset in presets:
             base = {"concurrency": conc, "seed": args.seed, "max_pause": args.max_pause, "sessions": args.sessions,
-                    "cost_preset": preset,
+                    "cost_preset": preset, **({"split": args.split} if args.split else {}),
                     "page_size": PAGE, "replicas": 1, "router": None, "host_ratio": 0.0, "write_policy": None}
             for cap in caps:
                 if "capacity" in parts:
@@ -428,7 +430,7 @@ def engine_part(args, out: Path) -> list[dict]:
     """``--engine``: the slice through the engine and the simulator's prediction, ``OUT/engine.jsonl``."""
     from experiments.agentic_engine import engine_slice
 
-    requests = agentic(args.trace, concurrency=1, seed=args.seed, sessions=args.engine_sessions)
+    requests = agentic(args.trace, concurrency=1, seed=args.seed, sessions=args.engine_sessions, split=args.split)
     rows = engine_slice(requests, args.model, args.engine_sessions, args.engine_max_prompt, args.engine_requests,
                         args.engine_kv_tokens)
     rows = [{**r, "config": {k: getattr(args, k) for k in ("trace", "seed", "model", "engine_sessions",
@@ -456,20 +458,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return engine_part(args, out)
     path = out / RESULTS
     layout = {"trace": Path(args.trace).name, "trace_bytes": Path(args.trace).stat().st_size, "seed": args.seed,
-              "max_pause": args.max_pause, "sessions": args.sessions, "page_size": PAGE}
+              "max_pause": args.max_pause, "sessions": args.sessions, "split": args.split, "page_size": PAGE}
     sweep.write_config(out / "config.json", {"workload": layout, "grid": configs,
                                              "cost_models": {p: asdict(CostModel.preset(p)) for p in COST_PRESETS}},
                        {"args": vars(args), "env": environment()})
     t0 = time.perf_counter()
     failures = []
-    bound = upper_bound(agentic(args.trace, sessions=args.sessions), page_size=PAGE)  # order and timing free
+    bound = upper_bound(agentic(args.trace, sessions=args.sessions, split=args.split),  # order and timing free
+                        page_size=PAGE)
     done = sweep.read_results(path)
     with contextlib.nullcontext() if args.no_ray else sweep.ray_session(args.ray_address, args.num_cpus) as ray:
         for conc in sorted({c["concurrency"] for c in configs}):
             todo = sweep.pending([c for c in configs if c["concurrency"] == conc], done)
             if todo:
                 requests = agentic(args.trace, concurrency=conc, seed=args.seed, max_pause=args.max_pause,
-                                   sessions=args.sessions)
+                                   sessions=args.sessions, split=args.split)
                 failures += sweep.execute(requests, todo, path, ray, desc=f"{conc:g} sessions", run=run_one)[1]
     rows = sweep.read_results(path)  # the tables and figures show every row in the file, from any invocation
     print(f"ran in {time.perf_counter() - t0:.0f} s; {sum(r['seconds'] for r in rows):.0f} s of runs in the file")

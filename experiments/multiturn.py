@@ -222,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the system prompt once, untimed, before turn 1")
     p.add_argument("--simulate", action="store_true", help="the simulator instead of the model")
-    p.add_argument("--cost-model", help="with --simulate: a JSON CostModel (from --calibrate)")
+    p.add_argument("--cost-model", help="with --simulate: a preset name or a JSON file, --calibrate's or "
+                                        "experiments.cost_fit's (CostModel.load)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the simulator's cost model to this run and print predicted next to measured TTFT")
     p.set_defaults(**PRESETS[preset])
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     caches = args.caches.split(",")
     rows, summary, records = [], [], []
     if args.simulate:
-        cost = CostModel.from_dict(json.loads(Path(args.cost_model).read_text())) if args.cost_model else CostModel()
+        cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
         for cache in tqdm(caches, desc="caches (simulated)"):
             cache_rows, makespan = simulate_cache(cache, args, cost)
             rows += cache_rows

@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--eviction-policies", default="lru", help="each replica's eviction policies (online ones)")
     p.add_argument("--cache", default="radix", choices=["radix", "hash"], help="each replica's prefix cache")
     add_settings(p, "page_size", "block_size", "max_running", page_size=16)
-    p.add_argument("--cost-model", default=None, help="cost model JSON file (as multiturn --calibrate writes)")
+    p.add_argument("--cost-model", default=None, help="a cost model preset name or JSON file (multiturn "
+                                                      "--calibrate's, experiments.cost_fit's: CostModel.load)")
     add_ray_flags(p)
     args = p.parse_args(argv)
     if args.trace is None and args.workload is None:
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     spec = workload_spec(args.trace, args.workload, parse_sizes(args.sizes), args.seed, args.limit)
-    cost = CostModel.from_dict(json.loads(Path(args.cost_model).read_text())) if args.cost_model else CostModel()
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
     shapes = shapes_for(replica_counts(args.replicas), fractions_from(args.capacities, "--capacities"), args.pooled)
     configs = build_grid(spec, names_from(args.routers, ROUTERS, "--routers"), shapes,
                          names_from(args.schedule_policies, SCHEDULE_POLICIES, "--schedule-policies"),

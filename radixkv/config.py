@@ -41,7 +41,8 @@ class EngineConfig:
     the device pool (a second KV buffer in host memory, pinned beside a CUDA device), written under
     ``write_policy`` (``radixkv.cache.tiered``).
     ``record_steps`` keeps one ``StepRecord`` per step in ``LLM.step_log``
-    (what was computed, the model's seconds): calibration data for the simulator.
+    (what was computed, the model's seconds, the copies between tiers and their seconds): calibration data
+    for the simulator (``radixkv serve --record-steps PATH`` writes them to a file).
     ``batch_invariant=True`` makes each token's logits the same bits whichever requests share its step
     (SGLang's ``--enable-deterministic-inference``, vLLM's batch invariance), so greedy outputs do not depend
     on the batching a pool size or a host tier leads to: 16-bit models on the CPU kernels path only

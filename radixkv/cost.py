@@ -1,16 +1,19 @@
 """What the simulator's clock is made of: ``CostModel`` (seconds per engine step from a few constants) and
-``StepRecord`` (what one measured engine step computed and took, the data ``CostModel.fit`` calibrates from;
-``LLM(record_steps=True)`` keeps them in ``LLM.step_log``). Torch-free."""
+``StepRecord`` (what one measured engine step computed, loaded and took, the data ``CostModel.fit`` calibrates
+from; ``LLM(record_steps=True)`` keeps them in ``LLM.step_log``, ``radixkv serve --record-steps PATH`` writes
+them to a file, ``radixkv.step_file``). Torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
-from radixkv.cache.tiers import HOST
+from radixkv.cache.tiers import DEVICE, HOST
 from radixkv.checks import is_real
 from radixkv.scheduling import causal_pairs
 
@@ -22,6 +25,12 @@ class StepRecord:
     ``attention_pairs`` counts (new token, attended token) pairs of the
     prefill chunks, ``n * (p + (n + 1) / 2)`` for n new tokens after p.
     ``seconds`` is the whole step, ``model_seconds`` its model forward.
+
+    The copies between the tiers during the step, where the engine has lower tiers: ``loaded_tokens`` and
+    ``load_seconds`` from the host tier into the device, ``storage_loaded_tokens`` and
+    ``storage_load_seconds`` from any tier below it, ``written_tokens`` and ``write_seconds`` from the device
+    down. Loads are part of ``seconds`` (they run before the forward); a step with neither prefill nor
+    decodes is one of loads alone (a due prefetch while no request was in).
     """
 
     prefill_tokens: int
@@ -29,17 +38,60 @@ class StepRecord:
     decodes: int
     seconds: float
     model_seconds: float
+    loaded_tokens: int = 0
+    load_seconds: float = 0.0
+    storage_loaded_tokens: int = 0
+    storage_load_seconds: float = 0.0
+    written_tokens: int = 0
+    write_seconds: float = 0.0
 
     @classmethod
     def of(cls, prefix_lens: Sequence[int], new_lens: Sequence[int], seconds: float, model_seconds: float,
-           prefill: Sequence[bool]) -> StepRecord:
+           prefill: Sequence[bool], copies: Mapping[tuple[str, str], tuple[int, float]] | None = None) -> StepRecord:
         """One step's record from its rows' cached and new tokens (an ``AttentionBatch``'s ``prefix_lens`` and
         ``new_lens``). ``prefill[r]``: row r computes prompt tokens (a one-token chunk after a prefix looks like
-        a decode)."""
+        a decode). ``copies``: tokens and seconds copied per (source tier, destination tier), as
+        ``KVMover.take_times`` gives them."""
         chunks = [(p, n) for p, n, f in zip(prefix_lens, new_lens, prefill, strict=True) if f]
+        moved: dict[str, float] = {name: 0 if name.endswith("tokens") else 0.0 for name in TRANSFER_FIELDS}
+        for (src, _), (tokens, secs) in (copies or {}).items():
+            tokens_field, seconds_field = _copy_fields(src)
+            moved[tokens_field] += tokens
+            moved[seconds_field] += secs
         return cls(prefill_tokens=sum(n for _, n in chunks),
                    attention_pairs=float(sum(causal_pairs(n, p) for p, n in chunks)),
-                   decodes=len(new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds)
+                   decodes=len(new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds, **moved)
+
+    @classmethod
+    def from_dict(cls, values: object) -> StepRecord:
+        """A record from a dict of its fields (a line of a step file; the copy fields may be missing: 0);
+        ``ValueError`` otherwise."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(values, dict) or set(values) - names:
+            raise ValueError(f"a step record is a JSON object with keys among {sorted(names)}, got {values!r}")
+        try:
+            return cls(**values)
+        except TypeError as e:  # a required field missing
+            raise ValueError(f"a step record needs {[f.name for f in fields(cls)][:5]}: {e}") from None
+
+    @property
+    def computes(self) -> bool:
+        """Whether the step ran the model (prefill or decodes), not loads alone."""
+        return self.prefill_tokens > 0 or self.decodes > 0
+
+
+# StepRecord's copy fields, zero where a step copied nothing
+TRANSFER_FIELDS = ("loaded_tokens", "load_seconds", "storage_loaded_tokens", "storage_load_seconds",
+                   "written_tokens", "write_seconds")
+
+
+def _copy_fields(src: str) -> tuple[str, str]:
+    """``StepRecord``'s tokens and seconds fields for a copy from tier ``src``: a write leaves the device; a load
+    from the host tier is charged at ``host_bandwidth``, one from any lower tier at ``storage_bandwidth``
+    (``CostModel.load_time``)."""
+    if src == DEVICE:
+        return "written_tokens", "write_seconds"
+    return ("loaded_tokens", "load_seconds") if src == HOST else ("storage_loaded_tokens", "storage_load_seconds")
 
 
 # The constants in seconds, those ``CostModel.fit`` calibrates (the others are bytes and bandwidths).
@@ -106,6 +158,36 @@ class CostModel:
             raise ValueError(f"unknown cost model preset {name!r}; choose one of {sorted(COST_PRESETS)}")
         return COST_PRESETS[name]
 
+    @classmethod
+    def load(cls, source: str | os.PathLike) -> CostModel:
+        """A cost model by name or file, what a ``--cost-model`` option takes:
+
+        * a preset's name (``COST_PRESETS``);
+        * a JSON file of a dict of its constants (``asdict``, or the ``-costmodel.json`` of ``multiturn
+          --calibrate``: the constants it lacks are ``CostModel()``'s);
+        * a JSON file ``experiments.cost_fit`` wrote, the model under ``"cost"`` (files written before it kept
+          the time constants alone under ``"fitted"``: read too).
+
+        ``ValueError`` saying what it expected otherwise.
+        """
+        if isinstance(source, str) and source in COST_PRESETS:
+            return COST_PRESETS[source]
+        expected = (f"a cost model is a preset ({', '.join(sorted(COST_PRESETS))}), a JSON file of CostModel "
+                    f"constants, or a JSON file experiments.cost_fit wrote (the model under \"cost\")")
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"{expected}; {os.fspath(source)!r} is neither")
+        try:
+            values = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{expected}; {path} is not JSON ({e})") from None
+        if isinstance(values, dict):  # a fit's file: the model under one key, beside its tables and config
+            values = values.get("cost", values.get("fitted", values))
+        try:
+            return cls.from_dict(values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{expected}; {path}: {e}") from None
+
     def scaled(self, replicas: int) -> CostModel:
         """The cost of ``replicas`` such engines pooled into one: N x the compute and N x the load bandwidth."""
         return replace(self, **{k: getattr(self, k) / replicas for k in TIME_CONSTANTS},
@@ -148,36 +230,58 @@ class CostModel:
                 + self.attention_per_pair * attention_pairs + self.decode_time(decodes))
 
     @classmethod
-    def fit(cls, records: Sequence[Any]) -> CostModel:
-        """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``).
+    def fit(cls, records: Sequence[StepRecord], kv_bytes_per_token: float | None = None) -> CostModel:
+        """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``, a step file's).
 
-        Each record has ``prefill_tokens``, ``attention_pairs``, ``decodes`` and
-        ``seconds``. It minimizes squared *relative* errors (so the many short
-        decode steps count as much as the few long prefill ones), with every
-        constant non-negative: exact non-negative least squares, by trying every
-        subset of the five constants (the others fixed at zero) and keeping
-        the best feasible one.
+        The time constants, from the steps that ran the model (``StepRecord.computes``): each step's seconds
+        less its loads' are its compute (the simulator adds a step's loads to it, ``with_loads``), fitted
+        minimizing squared errors *relative* to the step's seconds (so the many short decode steps count as
+        much as the few long prefill ones), every constant non-negative (``_nonnegative_lstsq``). Writes
+        down the tiers stay in the compute: the simulator charges them nothing of their own.
+
+        The bandwidths, from every step: ``kv_bytes_per_token`` x the tokens loaded from the host tier over
+        their seconds is ``host_bandwidth``, the same from the tiers below it ``storage_bandwidth``; one
+        nothing was loaded from keeps ``CostModel()``'s. ``kv_bytes_per_token``: the engine's KV bytes per
+        token (``KVPool.bytes_per_slot``; None: ``CostModel()``'s, SmolLM2-135M in bfloat16), kept in the model.
         """
-        if len(records) < 5:
-            raise ValueError(f"need at least 5 measured steps to fit 5 constants, got {len(records)}")
-        x = np.array([[r.prefill_tokens, r.attention_pairs, r.decodes > 0, r.decodes, 1.0] for r in records],
+        steps = [r for r in records if r.computes]
+        if len(steps) < 5:
+            raise ValueError(f"need at least 5 measured steps that ran the model to fit 5 constants, got "
+                             f"{len(steps)}")
+        x = np.array([[r.prefill_tokens, r.attention_pairs, r.decodes > 0, r.decodes, 1.0] for r in steps],
                      dtype=np.float64)
-        y = np.array([r.seconds for r in records], dtype=np.float64)
+        seconds = np.array([r.seconds for r in steps], dtype=np.float64)
+        loads = np.array([r.load_seconds + r.storage_load_seconds for r in steps], dtype=np.float64)
         # Relative errors: a few long prefill steps would otherwise outweigh a hundred decode steps.
-        weight = 1.0 / np.maximum(y, 1e-9)
-        x, y = x * weight[:, None], y * weight
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
-        best, coef = np.inf, np.zeros(x.shape[1])
-        for mask in range(1, 2 ** x.shape[1]):  # every subset of free constants, the rest fixed at 0: exact NNLS
-            cols = [c for c in range(x.shape[1]) if mask >> c & 1]
-            sol, *_ = np.linalg.lstsq(x[:, cols] / scale[cols], y, rcond=None)
-            if (sol < 0).any():
-                continue
-            err = float(np.sum((x[:, cols] @ (sol / scale[cols]) - y) ** 2))
-            if err < best:
-                best, coef = err, np.zeros(x.shape[1])
-                coef[cols] = sol / scale[cols]
-        return cls(**{name: float(v) for name, v in zip(TIME_CONSTANTS, coef, strict=True)})  # x's columns, in order
+        weight = 1.0 / np.maximum(seconds, 1e-9)
+        coef = _nonnegative_lstsq(x * weight[:, None], (seconds - loads) * weight)
+        kv = cls().kv_bytes_per_token if kv_bytes_per_token is None else float(kv_bytes_per_token)
+        bandwidths = {}
+        for name, tokens, secs in (("host_bandwidth", "loaded_tokens", "load_seconds"),
+                                   ("storage_bandwidth", "storage_loaded_tokens", "storage_load_seconds")):
+            n, t = sum(getattr(r, tokens) for r in records), sum(getattr(r, secs) for r in records)
+            if n > 0 and t > 0:
+                bandwidths[name] = kv * n / t
+        return cls(**{name: float(v) for name, v in zip(TIME_CONSTANTS, coef, strict=True)},  # x's columns
+                   kv_bytes_per_token=kv, **bandwidths)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The non-negative ``c`` minimizing ``|x c - y|^2``, exactly: every subset of the columns is solved by
+    least squares with the others fixed at zero, and the best one whose solution is non-negative is kept.
+    O(2^columns x rows x columns^2): for the five constants, 31 small solves."""
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
+    best, coef = np.inf, np.zeros(x.shape[1])
+    for mask in range(1, 2 ** x.shape[1]):
+        cols = [c for c in range(x.shape[1]) if mask >> c & 1]
+        sol, *_ = np.linalg.lstsq(x[:, cols] / scale[cols], y, rcond=None)
+        if (sol < 0).any():
+            continue
+        err = float(np.sum((x[:, cols] @ (sol / scale[cols]) - y) ** 2))
+        if err < best:
+            best, coef = err, np.zeros(x.shape[1])
+            coef[cols] = sol / scale[cols]
+    return coef
 
 
 def _gpu_preset(params: float, layers: int, hidden: int, kv_heads: int, gpus: int, tflops: float, hbm_tbs: float,

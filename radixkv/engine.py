@@ -143,7 +143,8 @@ class LLM:
                            * cfg.kv_page_size + pad, page_size=cfg.kv_page_size, dtype=dtype, device=cfg.device,
                            zeros=pool_zeros(cfg.device, dtype, cfg.attention_backend))
         self.config = cfg = self._host_sized(hicache_ratio)
-        self.memory = TierMemory(self.pool)  # each lower tier's KV buffer, made as build_stack builds the tier
+        # each lower tier's KV buffer, made as build_stack builds the tier; copies timed where steps are recorded
+        self.memory = TierMemory(self.pool, timed=cfg.record_steps)
         stack = build_stack(cfg.stack, self.pool.num_slots - pad, memory=self.memory)
         self.mover = self.memory.mover()
         self.cache, self.allocator, self.scheduler = stack.cache, stack.allocator, stack.scheduler
@@ -243,10 +244,13 @@ class LLM:
     def prefetch(self) -> int:
         """Load the contexts due back now from the lower tiers (``Scheduler.prefetch``), for an engine with no
         request in (``step`` does it before each batch): a step with nothing to run, all or nothing as one.
-        The tokens loaded."""
-        before = sum(self.cache.loaded_tokens.values())
+        The tokens loaded (with ``record_steps``, a ``StepRecord`` of these loads alone)."""
+        before, t0 = sum(self.cache.loaded_tokens.values()), time.perf_counter()
         self._unclaimed += self.step()  # nothing runs: outputs that finished earlier wait for the next step
-        return sum(self.cache.loaded_tokens.values()) - before
+        loaded = sum(self.cache.loaded_tokens.values()) - before
+        if loaded and self.config.record_steps:  # the load bandwidths' data (the fit's time constants skip it)
+            self.step_log.append(StepRecord.of([], [], time.perf_counter() - t0, 0.0, [], self.mover.take_times()))
+        return loaded
 
     def _count_saved(self, s: _Seq) -> None:
         """A request's first admission: the prefill time its cached prompt tokens saved (``stats``)."""
@@ -257,7 +261,8 @@ class LLM:
         self._stats["step_s"] += seconds
         self._stats["model_s"] += model_s
         if self.config.record_steps:
-            self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, ab.prefilling))
+            self.step_log.append(StepRecord.of(ab.prefix_lens, ab.new_lens, seconds, model_s, ab.prefilling,
+                                               self.mover.take_times()))
 
     def abort(self, request_ids: int | Iterable[int], finish: Finish = Finish.ABORT) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); safe between steps.
@@ -395,6 +400,7 @@ class LLM:
         self.scheduler.hit_by_tier = {}
         self.cache.reset_transfer_counts()
         self.step_log = []
+        self.mover.take_times()  # the copies timed so far belong to no later step
 
     def check_idle(self) -> None:
         """The cache's and the allocator's invariants hold; when nothing waits or runs, nothing is protected

@@ -14,12 +14,18 @@ pool is pinned and copies run on a side stream:
 * device -> host (a write): the side stream first waits for the compute that produced the KV, and the CPU
   waits for the copy before it writes the host rows, so the device slots it read may be reused at once
   (a write-back reads slots ``evict`` just freed). Writes therefore block the CPU for their copy.
+
+A mover made ``timed`` (the engine's ``record_steps``) measures each copy for the simulator's bandwidths
+(``take_times``): the CPU's part with ``time.perf_counter``, and beside a CUDA device the side stream's part
+with CUDA events, read once the copy is done, so timing never makes the CPU wait for the GPU. A write's wait
+for the compute that produced its KV is not counted: it is the forward's time, not the copy's.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import torch
 
@@ -32,10 +38,10 @@ class KVMover:
     engine's; or a device pool and a host pool), all of one layout.
 
     Bit for bit: K and V move in the pools' own dtype, every layer at once (``KVPool.gather`` / ``scatter``).
-    O(layers x tokens) bytes per copy.
+    O(layers x tokens) bytes per copy. ``timed``: each copy's tokens and seconds are kept for ``take_times``.
     """
 
-    def __init__(self, pools: dict[str, KVPool] | KVPool, host: KVPool | None = None):
+    def __init__(self, pools: dict[str, KVPool] | KVPool, host: KVPool | None = None, timed: bool = False):
         if isinstance(pools, KVPool):  # KVMover(device, host): the two-tier spelling
             pools = {DEVICE: pools, HOST: host}
         device = pools[DEVICE]
@@ -45,24 +51,65 @@ class KVMover:
                 raise ValueError(f"the pool {pool!r} does not match the device pool {device!r}")
         self.pools = pools
         self.stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None
+        self.timed = timed
+        # timed copies not yet taken: (src, dst, tokens, CPU seconds, CUDA start and end events or None)
+        self._times: list[tuple[str, str, int, float, torch.cuda.Event | None, torch.cuda.Event | None]] = []
 
     def __call__(self, copy: Copy) -> None:
+        t0 = time.perf_counter()
         src, dst = self.pools[copy.src], self.pools[copy.dst]
         src_idx = _index(copy.src_slots, src)
         if self.stream is None:
             dst.scatter(_index(copy.dst_slots, dst), src.gather(src_idx))
+            self._count(copy, time.perf_counter() - t0)
             return
         if dst.device.type == "cuda":  # a load: pinned staging, then asynchronous on the side stream
             staging = torch.empty((src.num_layers, 2, len(src_idx), src.num_kv_heads, src.head_dim),
                                   dtype=src.dtype, pin_memory=True)
             torch.index_select(src._kv, 2, src_idx, out=staging)
+            cpu = time.perf_counter() - t0
             with torch.cuda.stream(self.stream):  # the index made here, on the stream that reads it (docstring)
+                start = self._event()
                 dst.scatter(_index(copy.dst_slots, dst), staging.to(dst.device, non_blocking=True))
+                self._count(copy, cpu, start, self._event())
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the KV it copies is computed
         with torch.cuda.stream(self.stream):
+            start = self._event()  # after the wait: the forward's time is not the copy's
             kv = src.gather(src_idx).to("cpu")  # a write: the CPU waits for it (see the module docstring)
+            end = self._event()
+        t0 = time.perf_counter()
         dst.scatter(_index(copy.dst_slots, dst), kv)
+        self._count(copy, time.perf_counter() - t0, start, end)
+
+    def _event(self) -> torch.cuda.Event | None:
+        """A timing event recorded now on the current stream, where copies are timed."""
+        if not self.timed:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _count(self, copy: Copy, cpu_seconds: float, start: torch.cuda.Event | None = None,
+               end: torch.cuda.Event | None = None) -> None:
+        if self.timed:
+            self._times.append((copy.src, copy.dst, len(copy), cpu_seconds, start, end))
+
+    def take_times(self) -> dict[tuple[str, str], tuple[int, float]]:
+        """Tokens and seconds copied per (source tier, destination tier) by the timed copies since the last call
+        (``StepRecord.of`` takes them). A CUDA copy still running is left for a later call, so reading never
+        waits for the GPU. O(copies)."""
+        out: dict[tuple[str, str], tuple[int, float]] = {}
+        pending = []
+        for src, dst, tokens, cpu, start, end in self._times:
+            if end is not None and not end.query():
+                pending.append((src, dst, tokens, cpu, start, end))
+                continue
+            gpu = start.elapsed_time(end) / 1e3 if start is not None and end is not None else 0.0  # milliseconds
+            n, seconds = out.get((src, dst), (0, 0.0))
+            out[(src, dst)] = (n + tokens, seconds + cpu + gpu)
+        self._times = pending
+        return out
 
     def wait(self) -> None:
         """Make the compute stream wait for every copy issued so far (before a forward reads loaded KV)."""
@@ -78,11 +125,13 @@ class TierMemory:
     """The engine's KV memory by tier: ``device``, the pool the model attends from, and a buffer per lower tier
     (``buffer``), the layout of the device's: pinned host memory beside a CUDA pool, plain memory on a CPU, and
     for the storage tier a file of ``directory`` (a temporary one by default, removed once mapped: the mapping
-    lives as long as the pool). ``mover`` runs copies among all of them."""
+    lives as long as the pool). ``mover`` runs copies among all of them, ``timed`` ones where asked (see
+    ``KVMover``)."""
 
-    def __init__(self, device: KVPool, directory: str | None = None):
+    def __init__(self, device: KVPool, directory: str | None = None, timed: bool = False):
         self.pools = {DEVICE: device}
         self.directory = directory
+        self.timed = timed
         self._mover: KVMover | None = None
 
     def buffer(self, spec: TierSpec) -> KVPool:
@@ -105,5 +154,5 @@ class TierMemory:
     def mover(self) -> KVMover:
         """The one mover of copies among every buffer made so far (made at the first call: build the tiers first)."""
         if self._mover is None:
-            self._mover = KVMover(self.pools)
+            self._mover = KVMover(self.pools, timed=self.timed)
         return self._mover

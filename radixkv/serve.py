@@ -12,6 +12,11 @@ otherwise. SIGINT or SIGTERM: it stops accepting, aborts what is running, and ex
 (``radixkv.routing``; ``radixkv.serving.replicas``), on a Ray cluster started on this machine or joined
 at ``--ray-address``; it needs Ray (``pip install 'radixkv[ray]'``). ``--replicas 1`` is the one
 in-process engine.
+
+``--record-steps PATH`` writes every engine step to PATH as JSON lines as the steps end (a header with the
+engine's KV bytes per token and config, then one ``StepRecord`` a line: ``radixkv.step_file``), the data
+``python -m experiments.cost_fit --steps PATH`` fits the simulator's ``CostModel`` to. One engine only: with
+``--replicas N`` (N > 1) it is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from radixkv.settings import SettingsParser, add_flags, described
 from radixkv.stack import StackConfig
 
 ENGINE_SKIP = ("model", "prefix_cache", "record_steps")  # positional; given below
-# beside vLLM's switch; the engine's calibration log
+# beside vLLM's switch; the engine's calibration log: --record-steps PATH, a file
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="host tier size as a multiple of the KV pool (SGLang's spelling; instead of "
                         "--host-kv-cache-tokens)")
+    p.add_argument("--record-steps", metavar="PATH", default=None,
+                   help="write every engine step to PATH as JSON lines, the data python -m experiments.cost_fit "
+                        "--steps PATH fits the simulator's cost model to (one engine: not with --replicas N)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -78,11 +86,16 @@ def build(args: argparse.Namespace):
     settings = engine_settings(args)
     if args.hicache_ratio is not None:
         settings["hicache_ratio"] = args.hicache_ratio
+    if args.record_steps is not None and args.replicas != 1:  # N engines' steps in one file would mix
+        raise ValueError(f"--record-steps records one engine's steps: run it with --replicas 1 (got "
+                         f"--replicas {args.replicas})")
     if args.replicas != 1:
         engine = _cluster_engine(args, settings)
     else:
         engine = AsyncLLM(lambda: LLM(args.model, prefix_cache=args.prefix_cache,  # built on the engine's thread
-                                      enable_prefix_caching=args.enable_prefix_caching, **settings))
+                                      enable_prefix_caching=args.enable_prefix_caching,
+                                      record_steps=args.record_steps is not None, **settings),
+                          record_steps=args.record_steps)
     return build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
                      default_max_tokens=args.default_max_tokens), engine
 

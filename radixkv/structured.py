@@ -105,14 +105,11 @@ class Grammars:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        import torch  # here: ``radixkv.config`` imports this module, and importing it never needs torch
-
         xgr = _xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
-        # bit j of word w allows token 32 w + j; unpacked with torch, the same on every CPU
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask[rows].unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
-        sub = logits[rows]
-        logits[rows] = sub.masked_fill(~allowed.to(sub.device), float("-inf"))
+        # xgrammar's own kernel: portable C++ on a CPU, any float dtype, only the constrained rows
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+        if logits.shape[1] > self.vocab_size:  # padded logits past the vocabulary are never allowed
+            logits[rows, self.vocab_size:] = float("-inf")

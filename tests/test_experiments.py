@@ -354,7 +354,9 @@ def test_cost_fit_fits_on_one_workload_and_predicts_another_out_of_sample(tmp_pa
         cost_fit.parse_args(["--fit-preset", "wide", "--predict-preset", "wide"])
     got = cost_fit.main(["--model", "tiny-random", "--quick", "--out", str(tmp_path / "fit")])
     saved = json.loads((tmp_path / "fit.json").read_text())
-    assert saved["fitted"] == got["fitted"] and set(got["fitted"]) == set(TIME_CONSTANTS)
+    assert saved["cost"] == got["cost"] and CostModel.load(tmp_path / "fit.json") == CostModel.from_dict(got["cost"])
+    assert got["cost"]["kv_bytes_per_token"] != CostModel().kv_bytes_per_token  # tiny-random's own layout
+    assert set(TIME_CONSTANTS) < set(got["cost"]) and got["step_errors"]["steps"] == got["fit_steps"]
     assert got["fit_steps"] >= 5 and [r["turn"] for r in got["out_of_sample"]] == [1, 2]
     assert got["max_abs_error_out_of_sample"] == max(abs(r["error"]) for r in got["out_of_sample"])
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in got["out_of_sample"] + got["in_sample"])

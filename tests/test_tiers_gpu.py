@@ -70,3 +70,33 @@ def test_loads_behind_a_busy_side_stream_land_in_their_own_slots(dtype):
     untouched = torch.ones(4096, dtype=torch.bool)
     untouched[torch.as_tensor(dst.ravel())] = False
     assert torch.equal(device._kv[:, :, untouched.cuda()], before[:, :, untouched.cuda()])
+
+
+def test_timed_copies_beside_a_cuda_pool_are_read_without_waiting_and_stay_bit_exact():
+    """A timed mover (the engine's ``record_steps``) times the side stream's part with CUDA events: a copy still
+    running is left for a later ``take_times``, one done is counted once, and timing changes no byte."""
+    device = KVPool(3, 2, 64, num_slots=256, page_size=16, dtype=torch.bfloat16, device="cuda")
+    host = KVPool(3, 2, 64, num_slots=512, page_size=16, dtype=torch.bfloat16, pin_memory=True)
+    device._kv.copy_(torch.randn(device.buffer_shape, device="cuda").to(torch.bfloat16))
+    original = device._kv.clone()
+    mover = KVMover(device, host, timed=True)
+    mover(Copy("device", "host", np.arange(32, 96), np.arange(400, 464)))
+    mover(Copy("host", "device", np.arange(400, 464), np.arange(160, 224)))
+    mover.wait()
+    torch.cuda.synchronize()
+    times = mover.take_times()
+    assert {k: v[0] for k, v in times.items()} == {("device", "host"): 64, ("host", "device"): 64}
+    assert all(seconds > 0 for _, seconds in times.values()) and mover.take_times() == {}
+    assert torch.equal(device._kv[:, :, 160:224], original[:, :, 32:96])
+
+
+def test_an_engine_recording_steps_on_cuda_times_its_host_loads():
+    llm = LLM("tiny-random", device="cuda", dtype="float32", kv_cache_tokens=64, host_kv_cache_tokens=512,
+              record_steps=True)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    for prompt in (list(range(3, 51)), list(range(100, 148)), list(range(3, 51))):
+        llm.generate([prompt], params)
+    torch.cuda.synchronize()
+    log = llm.step_log + [llm.mover.take_times()]  # a copy still running when the last step ended comes now
+    loaded = sum(r.loaded_tokens for r in log[:-1]) + sum(n for (s, _), (n, _) in log[-1].items() if s == "host")
+    assert loaded == llm.stats()["loaded_tokens"] > 0 and sum(r.load_seconds for r in log[:-1]) >= 0

@@ -96,8 +96,9 @@ def test_streamed_calls_come_as_openai_chunks(server):
                        stream_options={"include_usage": True}))
     deltas = [ch.choices[0] for ch in chunks if ch.choices]
     assert all(not d.delta.content for d in deltas)  # the call's JSON text is never streamed as content
+    first, deltas = deltas[0], deltas[1:]  # at the first token, as OpenAI's first chunk: the role, no content
+    assert first.delta.role == "assistant" and first.delta.content == "" and not first.delta.tool_calls
     head, args = deltas[0].delta.tool_calls[0], deltas[1].delta.tool_calls[0]
-    assert deltas[0].delta.role == "assistant"
     assert head.index == 0 and head.id and head.type == "function" and head.function.arguments == ""
     assert args.index == 0 and args.id is None and args.function.arguments
     assert deltas[-1].finish_reason == "tool_calls" and [d.finish_reason for d in deltas[:-1]] == [None] * 2

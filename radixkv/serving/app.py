@@ -325,7 +325,12 @@ class _ChunkEvents:
         self.pending += delta.token_ids
         if self.answer is None:
             return [({"text": delta.text}, delta.finish_reason)]
-        return chat_chunks(self.answer, delta)
+        pieces = chat_chunks(self.answer, delta)
+        if not pieces and not self.role_sent and delta.token_ids:
+            # the first token is out, but held back (it may open a tool call): say so now, with the role and
+            # no content, as OpenAI's and vLLM's first chunk does, so a client's time to first token is true
+            pieces = [({"content": ""}, None)]
+        return pieces
 
     def choice(self, piece: dict, finish: str | None) -> dict:
         choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}

@@ -8,6 +8,10 @@ on that loop's one worker thread; the asyncio side only queues work and reads th
     async for delta in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), "req-1"):
         print(delta.token_ids, delta.finish_reason)
 
+``AsyncLLM(llm, record_steps=PATH)`` (``radixkv serve --record-steps PATH``) writes the engine's steps to a step
+file (``radixkv.step_file``) as they end, taking them out of ``llm.step_log`` so it does not grow: the engine
+must record them (``record_steps=True``).
+
 A delta carries the tokens sampled since the previous one and their text; the last one has
 ``finish_reason`` set (``stop``, ``length``, ``abort`` or ``error``). Closing the generator early (a
 client that went away) aborts the request. A step that fails (see the engine's fault contract) queues its
@@ -19,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +35,7 @@ from radixkv.config import SamplingParams
 from radixkv.engine import LLM, EngineStalledError
 from radixkv.serving.metrics import engine_gauges
 from radixkv.sessions import Finish
+from radixkv.step_file import StepWriter
 from radixkv.tool_calls import ToolCall
 
 
@@ -78,9 +85,17 @@ class AsyncLLM:
 
     replicas = None  # one engine (a ``ClusterEngine`` has N replicas)
 
-    def __init__(self, llm: LLM | Callable[[], LLM]):
+    def __init__(self, llm: LLM | Callable[[], LLM], record_steps: str | os.PathLike | None = None):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixkv-engine")
         self.llm = llm if isinstance(llm, LLM) else self._executor.submit(llm).result()
+        self._steps: StepWriter | None = None  # the step file, with ``record_steps`` (None again if it fails)
+        self._recording = record_steps is not None  # step_log is drained: kept, it would grow without bound
+        if record_steps is not None:
+            if not self.llm.config.record_steps:
+                self._executor.shutdown()
+                raise ValueError("AsyncLLM(record_steps=PATH) needs an engine that records its steps "
+                                 "(LLM(..., record_steps=True))")
+            self._steps = StepWriter(record_steps, self.llm.pool.bytes_per_slot, self.llm.config.to_dict())
         self._lock = threading.Lock()
         self._inbox: list[tuple] = []  # ("add", stream, ids, params, fut) | ("abort", name) | ("call", fn, fut)
         self._streams: dict[int, _Stream] = {}  # engine id -> stream
@@ -168,6 +183,8 @@ class AsyncLLM:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        if self._steps is not None:
+            self._steps.close()
 
     def _post(self, item: tuple) -> None:
         with self._lock:
@@ -199,6 +216,8 @@ class AsyncLLM:
             self.prefetched += self.llm.prefetch()
         except Exception:
             return
+        finally:
+            self._write_steps()
 
     # ------------------------------------------------------------- the engine thread
     def _turn(self) -> None:
@@ -217,6 +236,8 @@ class AsyncLLM:
             return
         except Exception:  # the step was rolled back and its requests queued again (the fault contract)
             return
+        finally:
+            self._write_steps()
         for s in self.llm.running:
             if s.rid in self._streams:
                 self._progress(self._streams[s.rid], s.output, s.prompt, max(s.hit, 0))
@@ -224,6 +245,24 @@ class AsyncLLM:
             stream = self._streams.pop(out.request_id, None)
             if stream is not None:
                 self._finish(stream, out)
+
+    def _write_steps(self) -> None:
+        """The steps recorded since the last call, out of ``llm.step_log`` into the step file. A file that
+        cannot be written stops the recording with a warning, never the server."""
+        if not self._recording or not self.llm.step_log:
+            return
+        records, self.llm.step_log = self.llm.step_log, []
+        if self._steps is None:  # the file failed: what the engine records is dropped
+            return
+        try:
+            self._steps.write(records)
+        except OSError as e:
+            warnings.warn(f"radixkv: recording steps to {self._steps.path} stopped: {e}", stacklevel=1)
+            self._steps, writer = None, self._steps
+            try:
+                writer.close()
+            except OSError:
+                pass
 
     def _apply(self, item: tuple) -> None:
         kind = item[0]

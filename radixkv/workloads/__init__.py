@@ -3,7 +3,8 @@
 ``make(name, seed=0, **sizes)`` builds a synthetic workload whose shape
 follows a published benchmark (sizes are keyword arguments; the defaults are
 the published shapes); ``mooncake(path)`` replays Mooncake's public trace, ``agentic(path)`` real
-coding-agent sessions (prompts kept as block runs, ``BlockPrompt``, built into tokens when sent).
+coding-agent sessions (prompts kept as block runs, ``BlockPrompt``, built into tokens when sent);
+``split_of(session)`` is the project's one tune/test split of agent sessions.
 Every generator is deterministic for a given seed, and tokens are int64 ids
 drawn so that two independently drawn spans never share a prefix by accident.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from radixkv.workloads.agentic import agentic
 from radixkv.workloads.mooncake import mooncake
 from radixkv.workloads.request import BlockPrompt, Request, TokenSource
+from radixkv.workloads.split import SPLITS, split_of
 from radixkv.workloads.synthetic import (
     few_shot,
     multi_turn,
@@ -40,4 +42,4 @@ def make(name: str, seed: int = 0, **sizes) -> list[Request]:
     return WORKLOADS[name](seed=seed, **sizes)
 
 
-__all__ = ["BlockPrompt", "Request", "TokenSource", "WORKLOADS", "agentic", "make", "mooncake"]
+__all__ = ["BlockPrompt", "Request", "SPLITS", "TokenSource", "WORKLOADS", "agentic", "make", "mooncake", "split_of"]

@@ -43,6 +43,7 @@ from radixkv.checks import is_int, is_real
 from radixkv.sessions import AWAITED, is_sub_agent
 from radixkv.workloads.jsonl import integer, read_records
 from radixkv.workloads.request import BlockPrompt, Request, number
+from radixkv.workloads.split import check_split, split_of
 
 AGENTIC_BLOCK = 64
 STOPS = (*(f.value for f in AWAITED), "")  # the trace records these finishes ("": not recorded)
@@ -116,8 +117,8 @@ def session_duration(rows: list[dict]) -> float:
 
 
 def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: float | None = None,
-            max_pause: float | None = None, share_prefix: bool = False, sessions: int | None = None
-            ) -> list[Request]:
+            max_pause: float | None = None, share_prefix: bool = False, sessions: int | None = None,
+            split: str | None = None) -> list[Request]:
     """The sessions of ``path`` as requests for ``simulate`` and ``simulate_cluster``; see the module doc.
 
     Args:
@@ -127,9 +128,11 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
         max_pause: the longest pause between a request's parent finishing and its being sent (None: none).
         share_prefix: streams with equal ``(tool_tokens, system_tokens)`` share their first blocks.
         sessions: only the first N sessions of the seeded order (a slice; None: all).
+        split: only the sessions on this side of the project's split (``radixkv.workloads.split``: ``"tune"``
+            or ``"test"``), taken before the order and the slice; None: every session.
 
     ``ValueError`` for a bad file (``read_sessions``), a ``concurrency`` or ``rate`` that is not a number > 0, a
-    negative ``max_pause``, or ``sessions`` < 1; nothing is built then.
+    negative ``max_pause``, ``sessions`` < 1, or an unknown ``split``; nothing is built then.
     """
     for name, value in (("concurrency", concurrency), ("rate", rate)):
         if (value is not None or name == "concurrency") and not (is_real(value) and value > 0):
@@ -140,9 +143,11 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
         raise ValueError(f"sessions must be an integer >= 1 or None, got {sessions!r}")
     if not is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    check_split(split)
     by_session: dict[str, list[dict]] = {}
     for row in read_sessions(path):
-        by_session.setdefault(row["session"], []).append(row)
+        if split is None or split_of(row["session"]) == split:
+            by_session.setdefault(row["session"], []).append(row)
     rng = np.random.default_rng(seed)
     keys = list(by_session)
     names = [keys[i] for i in rng.permutation(len(keys))][:sessions]

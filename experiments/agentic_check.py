@@ -1,0 +1,107 @@
+"""The simulator checked against the engine on agent traffic: predicted and measured replays side by side.
+
+``--overhead MEASURED PREDICTED`` measures the server's own seconds per request (``frontend_overhead``), which
+``agentic_online --simulate --frontend-overhead`` takes.
+
+``python -m experiments.agentic_check --pair NAME MEASURED PREDICTED [--pair ...] --out FILE`` reads each
+configuration's two ``experiments.agentic_online`` folders (one run on a server, one ``--simulate`` with
+``--orders``), joins their rows on (session, stream, turn) and writes a table (``FILE.md``) and the figures
+(``FILE.json``): mean TTFT, p90 TTFT, hit rate and mean session completion, measured (one run) against
+predicted (mean over the orders, with its 95% interval), the relative errors, whether each is within the
+targets (TTFT mean 15%, p90 25%, hit rate 0.02), and the ranking of the configurations by mean TTFT on both
+sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from experiments.common import HelpFormatter, environment, run_cli, table
+
+TARGETS = {"ttft_mean": 0.15, "ttft_p90": 0.25, "hit_rate": 0.02}  # relative, relative, absolute
+
+
+def read(folder: str | Path) -> tuple[list[dict], dict]:
+    """A replay folder's rows and summary."""
+    folder = Path(folder)
+    rows = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines() if line.strip()]
+    return rows, json.loads((folder / "summary.json").read_text())
+
+
+def compare(name: str, measured: str | Path, predicted: str | Path) -> dict:
+    """One configuration's row of the check; ``ValueError`` where the two replays are not the same requests."""
+    m_rows, m = read(measured)
+    p_rows, p = read(predicted)
+    key = lambda r: (r["session"], r["stream"], r["turn"])  # noqa: E731
+    if sorted(map(key, m_rows)) != sorted(map(key, p_rows)):
+        raise ValueError(f"{name}: {measured} and {predicted} replayed different requests")
+    orders = p.get("orders", {})
+    row = {"config": name, "requests": m["finished"], "failed": m["requests"] - m["finished"]}
+    for metric in ("ttft_mean", "ttft_p90", "hit_rate", "session_completion_mean"):
+        pred = orders.get(metric, {"mean": p[metric], "ci95": float("nan")})
+        row |= {f"{metric}_measured": m[metric], f"{metric}_predicted": pred["mean"],
+                f"{metric}_ci95": pred["ci95"], f"{metric}_order0": p[metric]}
+        if metric == "hit_rate":
+            row["hit_rate_error"] = pred["mean"] - m[metric]
+        else:
+            row[f"{metric}_error"] = pred["mean"] / m[metric] - 1
+    row["within"] = all(abs(row[f"{k}_error"]) <= bound for k, bound in TARGETS.items())
+    return row
+
+
+def frontend_overhead(measured: str | Path, predicted: str | Path, small: int = 128) -> dict:
+    """The server's own seconds per request, from a replay and its simulation without them: the median of
+    measured less predicted TTFT over the requests that computed at most ``small`` prompt tokens (where the
+    engine's work is least and the server's shows)."""
+    m = {(r["session"], r["stream"], r["turn"]): r for r in read(measured)[0] if not r.get("error")}
+    p = {(r["session"], r["stream"], r["turn"]): r for r in read(predicted)[0]}
+    gaps = [m[k]["ttft"] - p[k]["ttft"] for k in m if p[k]["prompt_tokens"] - p[k]["cached_tokens"] <= small]
+    if not gaps:
+        raise ValueError("no request computed few enough tokens to measure the server's overhead")
+    return {"frontend_overhead": float(np.median(gaps)), "requests": len(gaps), "of": len(m)}
+
+
+def ranking(rows: list[dict], side: str) -> list[str]:
+    return [r["config"] for r in sorted(rows, key=lambda r: r[f"ttft_mean_{side}"])]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("--pair", nargs=3, action="append", metavar=("NAME", "MEASURED", "PREDICTED"),
+                   help="a configuration's name, its server replay folder and its --simulate folder")
+    p.add_argument("--overhead", nargs=2, metavar=("MEASURED", "PREDICTED"), default=None,
+                   help="print the server's own seconds per request (frontend_overhead) from a replay and its "
+                   "simulation with --frontend-overhead 0, and stop")
+    p.add_argument("--out", default="results/agentic_check", help="writes OUT.md and OUT.json")
+    args = p.parse_args(argv)
+    if args.overhead:
+        found = frontend_overhead(*args.overhead)
+        print(json.dumps(found))
+        return found
+    if not args.pair:
+        p.error("give --pair (one or more) or --overhead")
+    rows = [compare(*pair) for pair in args.pair]
+    order = {"measured": ranking(rows, "measured"), "predicted": ranking(rows, "predicted")}
+    cols = ["config", "requests", "ttft_mean_measured", "ttft_mean_predicted", "ttft_mean_ci95", "ttft_mean_error",
+            "ttft_p90_measured", "ttft_p90_predicted", "ttft_p90_error", "hit_rate_measured", "hit_rate_predicted",
+            "hit_rate_error", "session_completion_mean_measured", "session_completion_mean_predicted", "within"]
+    text = table(rows, cols, {c: ".3g" for c in cols if c not in ("config", "requests", "within")})
+    same = "the same" if order["measured"] == order["predicted"] else "differs"
+    text += (f"\n\nranking by mean TTFT, measured: {', '.join(order['measured'])}; predicted: "
+             f"{', '.join(order['predicted'])} ({same})\n")
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    result = {"rows": rows, "ranking": order, "targets": TARGETS, "env": environment(),
+              "pairs": [list(map(str, pair)) for pair in args.pair]}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main)
