@@ -65,9 +65,8 @@ def simulate_replay(requests: list[Request], args: argparse.Namespace, write: Ca
                                                     and k != "seed"})
     cost = CostModel.load(args.simulate)
     result = simulate(reqs, config=stack, cost_model=cost, preemption=True)
-    by_rid = {r.rid: r for r in reqs}
     for row in sorted(result.per_request, key=lambda row: row["rid"]):
-        r = by_rid[row["rid"]]
+        r = reqs[row["rid"]]  # rendered keeps rid == index
         write({"session": r.session, "stream": r.meta["stream"], "turn": r.meta["turn"], "rid": r.rid,
                "ttft": row["ttft"] + front, "latency": row.get("latency", 0.0) + front,
                "prompt_tokens": row.get("prompt_len"),

@@ -37,7 +37,7 @@ from experiments.multiturn import PRESETS, run_cache, simulate_cache
 from experiments.multiturn import parse_args as multiturn_args
 from radixkv.cache.tiers import HOST, STORAGE
 from radixkv.config import DTYPES
-from radixkv.cost import TIME_CONSTANTS, TRANSFER_FIELDS, CostModel, StepRecord
+from radixkv.cost import FIT_WEIGHTINGS, TIME_CONSTANTS, TRANSFER_FIELDS, CostModel, StepRecord
 from radixkv.step_file import read_steps
 
 # --quick: each workload small, and of two shapes still (a longer shared prefix, shorter turns, for the other)
@@ -78,7 +78,7 @@ def copies(records: Sequence[StepRecord]) -> dict:
     return {name: sum(getattr(r, name) for r in records) for name in TRANSFER_FIELDS}
 
 
-def fit_step_files(paths: Sequence[str]) -> dict:
+def fit_step_files(paths: Sequence[str], weighting: str = "relative") -> dict:
     """``--steps``: ``CostModel.fit`` to the records of these step files, at their KV bytes per token (one for
     all: ``ValueError`` where they differ, or for a file that is not a step file). The result's fields."""
     files = [read_steps(path) for path in paths]
@@ -87,9 +87,9 @@ def fit_step_files(paths: Sequence[str]) -> dict:
         raise ValueError(f"the step files have different KV bytes per token {sorted(layouts)}: fit one model's "
                          "steps at a time")
     records = [r for f in files for r in f.records]
-    cost = CostModel.fit(records, kv_bytes_per_token=layouts.pop())
-    return {"cost": asdict(cost), "fit_steps": len(records), "step_errors": step_errors(cost, records),
-            "copies": copies(records),
+    cost = CostModel.fit(records, kv_bytes_per_token=layouts.pop(), weighting=weighting)
+    return {"cost": asdict(cost), "fit_steps": len(records), "weighting": weighting,
+            "step_errors": step_errors(cost, records), "copies": copies(records),
             "sources": [{"path": str(p), "steps": len(f.records), "started": f.header.get("started"),
                          "engine": f.header.get("config")} for p, f in zip(paths, files, strict=True)]}
 
@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", nargs="+", metavar="PATH", default=None,
                    help="fit the step files radixkv serve --record-steps wrote instead (no engine runs; the "
                         "workload, model and device flags are unused)")
+    p.add_argument("--weighting", default="relative", choices=FIT_WEIGHTINGS,
+                   help="how a step's error counts in the least squares: relative (to its seconds: short and "
+                        "long steps alike) or absolute (in seconds: long prefill steps count most)")
     args = p.parse_args(argv)
     if args.fit_preset == args.predict_preset and not args.steps:
         p.error("--predict-preset must differ from --fit-preset: the error is out of sample")
@@ -127,7 +130,7 @@ def fit_and_predict(args: argparse.Namespace) -> dict:
     fit_args, predict_args = workload_args(args, "fit"), workload_args(args, "predict")
     fit_rows, _, llm = run_cache(args.cache, fit_args, record_steps=True)
     records = llm.step_log
-    cost = CostModel.fit(records, kv_bytes_per_token=llm.pool.bytes_per_slot)
+    cost = CostModel.fit(records, kv_bytes_per_token=llm.pool.bytes_per_slot, weighting=args.weighting)
     del llm  # its KV pool: the next engine takes the memory
     measured, _, _ = run_cache(args.cache, predict_args)
     out_of_sample = per_turn(measured, simulate_cache(args.cache, predict_args, cost)[0])
@@ -139,13 +142,14 @@ def fit_and_predict(args: argparse.Namespace) -> dict:
         print(table(rows, ["turn", "measured_s", "predicted_s", "error"], formats))
     worst = max(abs(r["error"]) for r in out_of_sample)
     print(f"largest out-of-sample TTFT error per turn: {worst:.1%}")
-    return {"cost": asdict(cost), "fit_steps": len(records), "step_errors": step_errors(cost, records),
-            "out_of_sample": out_of_sample, "in_sample": in_sample, "max_abs_error_out_of_sample": worst}
+    return {"cost": asdict(cost), "fit_steps": len(records), "weighting": args.weighting,
+            "step_errors": step_errors(cost, records), "out_of_sample": out_of_sample, "in_sample": in_sample,
+            "max_abs_error_out_of_sample": worst}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    fitted = fit_step_files(args.steps) if args.steps else fit_and_predict(args)
+    fitted = fit_step_files(args.steps, args.weighting) if args.steps else fit_and_predict(args)
     shown = {k: f"{fitted['cost'][k]:.3g}" for k in (*TIME_CONSTANTS, "host_bandwidth", "storage_bandwidth")}
     print(f"fitted on {fitted['fit_steps']} steps:", shown)
     errors = fitted["step_errors"]

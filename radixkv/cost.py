@@ -230,14 +230,20 @@ class CostModel:
                 + self.attention_per_pair * attention_pairs + self.decode_time(decodes))
 
     @classmethod
-    def fit(cls, records: Sequence[StepRecord], kv_bytes_per_token: float | None = None) -> CostModel:
+    def fit(cls, records: Sequence[StepRecord], kv_bytes_per_token: float | None = None,
+            weighting: str = "relative") -> CostModel:
         """Least-squares fit to measured steps (``LLM.step_log`` with ``record_steps=True``, a step file's).
 
         The time constants, from the steps that ran the model (``StepRecord.computes``): each step's seconds
-        less its loads' are its compute (the simulator adds a step's loads to it, ``with_loads``), fitted
-        minimizing squared errors *relative* to the step's seconds (so the many short decode steps count as
-        much as the few long prefill ones), every constant non-negative (``_nonnegative_lstsq``). Writes
-        down the tiers stay in the compute: the simulator charges them nothing of their own.
+        less its loads' are its compute (the simulator adds a step's loads to it, ``with_loads``), fitted with
+        every constant non-negative (``_nonnegative_lstsq``), minimizing squared errors by ``weighting``:
+
+        * ``"relative"``: errors relative to each step's seconds, so the many short decode steps count as
+          much as the few long prefill ones (each step's time right to a similar fraction);
+        * ``"absolute"``: errors in seconds, so a step counts by its length: the long prefill steps that
+          make up most of a request's time to first token are fitted best.
+
+        Writes down the tiers stay in the compute: the simulator charges them nothing of their own.
 
         The bandwidths, from every step: ``kv_bytes_per_token`` x the tokens loaded from the host tier over
         their seconds is ``host_bandwidth``, the same from the tiers below it ``storage_bandwidth``; one
@@ -252,8 +258,10 @@ class CostModel:
                      dtype=np.float64)
         seconds = np.array([r.seconds for r in steps], dtype=np.float64)
         loads = np.array([r.load_seconds + r.storage_load_seconds for r in steps], dtype=np.float64)
+        if weighting not in FIT_WEIGHTINGS:
+            raise ValueError(f"unknown weighting {weighting!r}; choose from {FIT_WEIGHTINGS}")
         # Relative errors: a few long prefill steps would otherwise outweigh a hundred decode steps.
-        weight = 1.0 / np.maximum(seconds, 1e-9)
+        weight = 1.0 / np.maximum(seconds, 1e-9) if weighting == "relative" else np.ones_like(seconds)
         coef = _nonnegative_lstsq(x * weight[:, None], (seconds - loads) * weight)
         kv = cls().kv_bytes_per_token if kv_bytes_per_token is None else float(kv_bytes_per_token)
         bandwidths = {}
@@ -264,6 +272,9 @@ class CostModel:
                 bandwidths[name] = kv * n / t
         return cls(**{name: float(v) for name, v in zip(TIME_CONSTANTS, coef, strict=True)},  # x's columns
                    kv_bytes_per_token=kv, **bandwidths)
+
+
+FIT_WEIGHTINGS = ("relative", "absolute")  # CostModel.fit's ways to weigh a step's error
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

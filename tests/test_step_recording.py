@@ -5,13 +5,13 @@ constants and bandwidths, ``CostModel.load`` reading presets and files, and ``ex
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
 
 from radixkv import LLM, SamplingParams
-from radixkv.cost import TIME_CONSTANTS, CostModel, StepRecord
+from radixkv.cost import FIT_WEIGHTINGS, TIME_CONSTANTS, CostModel, StepRecord
 from radixkv.sessions import Finish
 from radixkv.step_file import StepWriter, read_steps
 
@@ -107,6 +107,24 @@ def test_the_fit_recovers_time_constants_and_host_bandwidth_from_mixed_steps_wit
     assert fitted.storage_bandwidth == CostModel().storage_bandwidth  # nothing loaded from storage
     with pytest.raises(ValueError, match="at least 5"):
         CostModel.fit([r for r in synthetic_steps(TRUE) if not r.computes])
+
+
+def test_both_weightings_recover_exact_constants_and_differ_on_noisy_steps():
+    exact = synthetic_steps(TRUE)
+    for weighting in FIT_WEIGHTINGS:
+        fitted = CostModel.fit(exact, kv_bytes_per_token=512, weighting=weighting)
+        assert fitted.prefill_per_token == pytest.approx(TRUE.prefill_per_token, rel=1e-6)
+    # Long steps 20% slower than the model: an absolute fit follows them, a relative one much less.
+    noisy = [replace(r, seconds=r.seconds * (1.2 if r.prefill_tokens > 500 else 1.0)) for r in exact]
+    rel = CostModel.fit(noisy, kv_bytes_per_token=512, weighting="relative")
+    ab = CostModel.fit(noisy, kv_bytes_per_token=512, weighting="absolute")
+    long = max(noisy, key=lambda r: r.seconds)
+    def error(c: CostModel) -> float:
+        return abs(c.step_time(long.prefill_tokens, long.attention_pairs, long.decodes) + long.load_seconds
+                   - long.seconds)
+    assert error(ab) < error(rel)
+    with pytest.raises(ValueError, match="unknown weighting"):
+        CostModel.fit(exact, weighting="squared")
 
 
 def test_cost_model_load_reads_a_preset_a_dict_file_and_a_fit_file(tmp_path):
