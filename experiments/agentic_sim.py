@@ -20,13 +20,22 @@ import numpy as np
 
 from experiments.agentic_replay import CALL_ARGUMENTS, TOOL, TOOL_NAME, Conversation, calls_tool, placeholder_answer
 from radixkv.cost import CostModel
+from radixkv.sessions import Finish
 from radixkv.tool_calls import hermes_block
 from radixkv.workloads import Request
 
 
+def served_finish(request: Request) -> str:
+    """How the server classifies this request's answer, the finish the simulator must see too: a forced call
+    is a tool call; any other answer runs to its ``max_tokens`` with ``ignore_eos``, so the server sees
+    ``length`` where the trace recorded ``end_turn``: the session policies await no such stream."""
+    return (Finish.TOOL_CALL if calls_tool(request) else Finish.LENGTH).value
+
+
 def rendered(requests: list[Request], chat: Callable[[list[dict]], list[int]], call_tokens: int) -> list[Request]:
     """``requests`` with token-id prompts (``chat(messages)``); a forced call is ``call_tokens`` long, and an
-    answer's tokens are those its stream's next prompt holds after its own prompt. O(tokens)."""
+    answer's tokens are those its stream's next prompt holds after its own prompt; each answer ends as the
+    server will see it end (``served_finish``). O(tokens)."""
     after: dict[int, Conversation] = {}
     out = []
     for r in requests:  # rid order: a parent before its children
@@ -34,7 +43,7 @@ def rendered(requests: list[Request], chat: Callable[[list[dict]], list[int]], c
         after[r.rid] = conv.answered(placeholder_answer(r))
         out.append(Request(arrival=r.arrival, session=r.session, prompt=np.asarray(chat(conv.messages()), np.int64),
                            output_len=call_tokens if calls_tool(r) else r.output_len, parent=r.parent,
-                           think_time=r.think_time, rid=r.rid, meta=dict(r.meta)))
+                           think_time=r.think_time, rid=r.rid, meta=dict(r.meta, stop=served_finish(r))))
     for r in out:
         if r.parent is None:
             continue

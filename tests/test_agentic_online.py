@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from experiments import agentic_check, agentic_online
-from experiments.agentic_replay import Conversation, anthropic_body, openai_body, tool_call_answer, words
+from experiments.agentic_replay import (
+    Conversation,
+    anthropic_body,
+    calls_tool,
+    openai_body,
+    tool_call_answer,
+    words,
+)
 from experiments.agentic_sim import rendered
 from radixkv.workloads import SPLITS, Request, agentic, split_of
 from radixkv.workloads.agentic_scaled import UNIT_TAIL, agentic_scaled, reordered, units_of, units_per_block
@@ -141,6 +148,9 @@ def test_simulated_prompts_extend_their_parents_through_the_answers(trace: Path)
             assert parent.output is not None and np.array_equal(
                 r.prompt[len(parent.prompt):len(parent.prompt) + parent.output_len], parent.output)
     assert extending >= 12 * 2  # every session's second and third turns at least
+    # each answer ends as the server sees it: a forced call, or max_tokens under ignore_eos (not end_turn)
+    assert {r.meta["stop"] for r in out} <= {"tool_use", "length"}
+    assert all((r.meta["stop"] == "tool_use") == calls_tool(q) for r, q in zip(out, reqs, strict=True))
 
 
 def test_the_client_replays_on_a_server_and_the_simulator_predicts_the_same_rows(trace: Path, tmp_path: Path):
