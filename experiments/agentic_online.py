@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from experiments.agentic_replay import (
 from experiments.common import environment, parser, run_cli
 from radixkv.cost import CostModel
 from radixkv.workloads import Request
-from radixkv.workloads.agentic_scaled import agentic_scaled, reordered
+from radixkv.workloads.agentic_scaled import agentic_scaled, reordered, time_scaled
 from radixkv.workloads.split import SPLITS
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
@@ -138,7 +137,7 @@ def build_requests(args: argparse.Namespace) -> tuple[list[Request], dict]:
     check = scales(requests, server)
     exact = check["trace_ratio"] * check["replay_mean_cold_prefill_s"] / max(check["replay_mean_pause_s"], 1e-12)
     time_scale = exact if args.time_scale is None else args.time_scale
-    requests = reordered(_time_scaled(requests, time_scale), args.order)
+    requests = reordered(time_scaled(requests, time_scale), args.order)
     check = scales(requests, server) | {"time_scale": time_scale, "token_scale": args.token_scale,
                                         "similar_time_scales": [exact / SIMILARITY, exact * SIMILARITY]}
     off = check["replay_ratio"] / check["trace_ratio"]
@@ -147,13 +146,6 @@ def build_requests(args: argparse.Namespace) -> tuple[list[Request], dict]:
                          f"prefill (the trace: {check['trace_ratio']:.1f}x under {REFERENCE}); choose one in "
                          f"[{exact / SIMILARITY:.3g}, {exact * SIMILARITY:.3g}] or give --force-scales")
     return requests, check
-
-
-def _time_scaled(requests: list[Request], time_scale: float) -> list[Request]:
-    """``requests`` (built at time scale 1) with every arrival and pause times ``time_scale``: what
-    ``agentic_scaled(..., time_scale=time_scale)`` gives, without reading the trace again."""
-    return [replace(r, arrival=r.arrival * time_scale, think_time=r.think_time * time_scale, meta=dict(r.meta))
-            for r in requests]
 
 
 class Client:

@@ -250,6 +250,8 @@ class CostModel:
         nothing was loaded from keeps ``CostModel()``'s. ``kv_bytes_per_token``: the engine's KV bytes per
         token (``KVPool.bytes_per_slot``; None: ``CostModel()``'s, SmolLM2-135M in bfloat16), kept in the model.
         """
+        if weighting not in FIT_WEIGHTINGS:
+            raise ValueError(f"unknown weighting {weighting!r}; choose from {FIT_WEIGHTINGS}")
         steps = [r for r in records if r.computes]
         if len(steps) < 5:
             raise ValueError(f"need at least 5 measured steps that ran the model to fit 5 constants, got "
@@ -258,9 +260,7 @@ class CostModel:
                      dtype=np.float64)
         seconds = np.array([r.seconds for r in steps], dtype=np.float64)
         loads = np.array([r.load_seconds + r.storage_load_seconds for r in steps], dtype=np.float64)
-        if weighting not in FIT_WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose from {FIT_WEIGHTINGS}")
-        # Relative errors: a few long prefill steps would otherwise outweigh a hundred decode steps.
+        # Relative errors (1 / seconds): else a few long prefill steps outweigh a hundred decode steps.
         weight = 1.0 / np.maximum(seconds, 1e-9) if weighting == "relative" else np.ones_like(seconds)
         coef = _nonnegative_lstsq(x * weight[:, None], (seconds - loads) * weight)
         kv = cls().kv_bytes_per_token if kv_bytes_per_token is None else float(kv_bytes_per_token)
