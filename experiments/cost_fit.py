@@ -35,7 +35,6 @@ import numpy as np
 from experiments.common import environment, parser, run_cli, table, with_ext
 from experiments.multiturn import PRESETS, run_cache, simulate_cache
 from experiments.multiturn import parse_args as multiturn_args
-from radixkv.cache.tiers import HOST, STORAGE
 from radixkv.config import DTYPES
 from radixkv.cost import FIT_WEIGHTINGS, TIME_CONSTANTS, TRANSFER_FIELDS, CostModel, StepRecord
 from radixkv.step_file import read_steps
@@ -59,18 +58,30 @@ def per_turn(measured: list[dict], predicted: list[dict]) -> list[dict]:
     return out
 
 
+# step classes by prefill tokens (upper bounds, exclusive): where a step model goes wrong is by class
+STEP_CLASSES = (("decode", 1), ("prefill <64", 64), ("prefill 64-1023", 1024), ("prefill 1024+", float("inf")))
+
+
+def step_class(record: StepRecord) -> str:
+    """The class of a step by its prefill tokens (``STEP_CLASSES``; a step of decodes alone is ``decode``)."""
+    return next(name for name, upper in STEP_CLASSES if record.prefill_tokens < upper)
+
+
 def step_errors(cost: CostModel, records: Sequence[StepRecord]) -> dict:
-    """How ``cost`` predicts the steps that ran the model (their loads at its bandwidths, ``with_loads``): the
-    mean and the largest ``|predicted / measured - 1|`` per step, and the sum's ``predicted / measured - 1``.
-    O(records)."""
+    """How ``cost`` predicts the steps that ran the model (their loads at its bandwidths, ``cost.record_time``):
+    the mean and the largest ``|predicted / measured - 1|`` per step, and the sum's ``predicted / measured - 1``;
+    under ``by_class``, each class's steps and sum's error (``STEP_CLASSES``). O(records)."""
     steps = [r for r in records if r.computes]
     measured = np.array([r.seconds for r in steps])
-    predicted = np.array([cost.with_loads(cost.step_time(r.prefill_tokens, r.attention_pairs, r.decodes),
-                                          cost.load_time(HOST, r.loaded_tokens)
-                                          + cost.load_time(STORAGE, r.storage_loaded_tokens)) for r in steps])
+    predicted = np.array([cost.record_time(r) for r in steps])
     error = np.abs(predicted / np.maximum(measured, 1e-12) - 1)
+    classes = np.array([step_class(r) for r in steps])
+    by_class = {name: {"steps": int((classes == name).sum()),
+                       "total_error": float(predicted[classes == name].sum()
+                                            / max(measured[classes == name].sum(), 1e-12) - 1)}
+                for name, _ in STEP_CLASSES if (classes == name).any()}
     return {"steps": len(steps), "mean_abs_error": float(error.mean()), "max_abs_error": float(error.max()),
-            "total_error": float(predicted.sum() / max(measured.sum(), 1e-12) - 1)}
+            "total_error": float(predicted.sum() / max(measured.sum(), 1e-12) - 1), "by_class": by_class}
 
 
 def copies(records: Sequence[StepRecord]) -> dict:
@@ -155,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     errors = fitted["step_errors"]
     print(f"step time in sample: mean |error| {errors['mean_abs_error']:.1%}, largest {errors['max_abs_error']:.1%}, "
           f"the sum's {errors['total_error']:+.1%}")
+    print("  the sum's error by class: " + ", ".join(f"{name} {c['total_error']:+.1%} ({c['steps']} steps)"
+                                                      for name, c in errors["by_class"].items()))
     result = {"config": vars(args), "env": environment(), **fitted}
     out = with_ext(args.out, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)

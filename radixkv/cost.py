@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from radixkv.cache.tiers import DEVICE, HOST
+from radixkv.cache.tiers import DEVICE, HOST, STORAGE
 from radixkv.checks import is_real
 from radixkv.scheduling import causal_pairs
 
@@ -24,6 +24,8 @@ class StepRecord:
 
     ``attention_pairs`` counts (new token, attended token) pairs of the
     prefill chunks, ``n * (p + (n + 1) / 2)`` for n new tokens after p.
+    ``prefill_seqs`` counts the prefill chunks (rows that compute prompt tokens; each also computes one row
+    of logits and is sampled from, as a decode row is); None in a file written before it was recorded.
     ``seconds`` is the whole step, ``model_seconds`` its model forward.
 
     The copies between the tiers during the step, where the engine has lower tiers: ``loaded_tokens`` and
@@ -44,6 +46,7 @@ class StepRecord:
     storage_load_seconds: float = 0.0
     written_tokens: int = 0
     write_seconds: float = 0.0
+    prefill_seqs: int | None = None
 
     @classmethod
     def of(cls, prefix_lens: Sequence[int], new_lens: Sequence[int], seconds: float, model_seconds: float,
@@ -60,7 +63,8 @@ class StepRecord:
             moved[seconds_field] += secs
         return cls(prefill_tokens=sum(n for _, n in chunks),
                    attention_pairs=float(sum(causal_pairs(n, p) for p, n in chunks)),
-                   decodes=len(new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds, **moved)
+                   decodes=len(new_lens) - len(chunks), seconds=seconds, model_seconds=model_seconds,
+                   prefill_seqs=len(chunks), **moved)
 
     @classmethod
     def from_dict(cls, values: object) -> StepRecord:
@@ -95,7 +99,8 @@ def _copy_fields(src: str) -> tuple[str, str]:
 
 
 # The constants in seconds, those ``CostModel.fit`` calibrates (the others are bytes and bandwidths).
-TIME_CONSTANTS = ("prefill_per_token", "attention_per_pair", "decode_step", "decode_per_seq", "step_overhead")
+TIME_CONSTANTS = ("prefill_per_token", "attention_per_pair", "prefill_per_seq", "decode_step", "decode_per_seq",
+                  "step_overhead")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class CostModel:
         attention_per_pair: seconds per (new token, attended token) pair, the
             quadratic attention term of prefill: a chunk of n new tokens after
             a prefix of p costs ``n * (p + (n + 1) / 2)`` pairs.
+        prefill_per_seq: seconds per prefill chunk in a step, whatever its length: the row of logits
+            and the sampling each chunk pays as a decode row does, and its attention's setup.
         decode_step: fixed seconds per decode step (weights streamed once).
         decode_per_seq: extra seconds per sequence in the decode batch.
         step_overhead: fixed seconds per engine step (scheduling, launch).
@@ -128,6 +135,7 @@ class CostModel:
 
     prefill_per_token: float = 3.5e-4
     attention_per_pair: float = 2.0e-8
+    prefill_per_seq: float = 0.0
     decode_step: float = 0.013
     decode_per_seq: float = 0.002
     step_overhead: float = 0.0005
@@ -224,10 +232,18 @@ class CostModel:
     def decode_time(self, batch: int) -> float:
         return self.decode_step + self.decode_per_seq * batch if batch else 0.0
 
-    def step_time(self, prefill_tokens: int, attention_pairs: float, decodes: int) -> float:
-        """One step's seconds: its prefill chunks' tokens and pairs, its decode batch, the fixed overhead."""
-        return (self.step_overhead + self.prefill_per_token * prefill_tokens
+    def step_time(self, prefill_tokens: int, attention_pairs: float, decodes: int, prefill_seqs: int = 0) -> float:
+        """One step's seconds: its prefill chunks' tokens, pairs and count, its decode batch, the fixed overhead."""
+        return (self.step_overhead + self.prefill_per_token * prefill_tokens + self.prefill_per_seq * prefill_seqs
                 + self.attention_per_pair * attention_pairs + self.decode_time(decodes))
+
+    def record_time(self, record: StepRecord) -> float:
+        """A recorded step's seconds as this model predicts them, its loads included (``with_loads``); a
+        record without its chunk count (an older file) is charged for one chunk where it prefilled."""
+        chunks = record.prefill_seqs if record.prefill_seqs is not None else int(record.prefill_tokens > 0)
+        compute = self.step_time(record.prefill_tokens, record.attention_pairs, record.decodes, chunks)
+        return self.with_loads(compute, self.load_time(HOST, record.loaded_tokens)
+                               + self.load_time(STORAGE, record.storage_loaded_tokens))
 
     @classmethod
     def fit(cls, records: Sequence[StepRecord], kv_bytes_per_token: float | None = None,
@@ -243,7 +259,9 @@ class CostModel:
         * ``"absolute"``: errors in seconds, so a step counts by its length: the long prefill steps that
           make up most of a request's time to first token are fitted best.
 
-        Writes down the tiers stay in the compute: the simulator charges them nothing of their own.
+        Writes down the tiers stay in the compute: the simulator charges them nothing of their own. Steps
+        recorded without their chunk count (``prefill_seqs`` None: files from before it was recorded) leave
+        ``prefill_per_seq`` at 0.
 
         The bandwidths, from every step: ``kv_bytes_per_token`` x the tokens loaded from the host tier over
         their seconds is ``host_bandwidth``, the same from the tiers below it ``storage_bandwidth``; one
@@ -254,10 +272,12 @@ class CostModel:
             raise ValueError(f"unknown weighting {weighting!r}; choose from {FIT_WEIGHTINGS}")
         steps = [r for r in records if r.computes]
         if len(steps) < 5:
-            raise ValueError(f"need at least 5 measured steps that ran the model to fit 5 constants, got "
+            raise ValueError(f"need at least 5 measured steps that ran the model to fit the time constants, got "
                              f"{len(steps)}")
-        x = np.array([[r.prefill_tokens, r.attention_pairs, r.decodes > 0, r.decodes, 1.0] for r in steps],
-                     dtype=np.float64)
+        x = np.array([[r.prefill_tokens, r.attention_pairs, r.prefill_seqs or 0, r.decodes > 0, r.decodes, 1.0]
+                      for r in steps], dtype=np.float64)
+        if any(r.prefill_seqs is None for r in steps):  # an older file: its chunks were not counted
+            x[:, TIME_CONSTANTS.index("prefill_per_seq")] = 0.0
         seconds = np.array([r.seconds for r in steps], dtype=np.float64)
         loads = np.array([r.load_seconds + r.storage_load_seconds for r in steps], dtype=np.float64)
         # Relative errors (1 / seconds): else a few long prefill steps outweigh a hundred decode steps.
@@ -280,7 +300,7 @@ FIT_WEIGHTINGS = ("relative", "absolute")  # CostModel.fit's ways to weigh a ste
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """The non-negative ``c`` minimizing ``|x c - y|^2``, exactly: every subset of the columns is solved by
     least squares with the others fixed at zero, and the best one whose solution is non-negative is kept.
-    O(2^columns x rows x columns^2): for the five constants, 31 small solves."""
+    O(2^columns x rows x columns^2): for the six constants, 63 small solves."""
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns differ by 10^6: solve on normalized ones
     best, coef = np.inf, np.zeros(x.shape[1])
     for mask in range(1, 2 ** x.shape[1]):

@@ -55,7 +55,8 @@ def test_calibrate_fits_a_cost_model_and_reports_predictions(tmp_path):
     assert sorted((s["cache"], s["source"]) for s in summary) == [
         ("none", "measured"), ("none", "simulated"), ("radix", "measured"), ("radix", "simulated")]
     cost = json.loads((tmp_path / "c-costmodel.json").read_text())
-    assert set(cost) == {"prefill_per_token", "attention_per_pair", "decode_step", "decode_per_seq", "step_overhead"}
+    assert set(cost) == set(TIME_CONSTANTS) == {"prefill_per_token", "attention_per_pair", "prefill_per_seq",
+                                                 "decode_step", "decode_per_seq", "step_overhead"}
     assert all(v >= 0 for v in cost.values())
     again = multiturn.main([*TINY, "--simulate", "--cost-model", str(tmp_path / "c-costmodel.json"),
                             "--out", str(tmp_path / "s")])

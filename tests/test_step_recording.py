@@ -85,19 +85,21 @@ def synthetic_steps(true: CostModel, n: int = 80) -> list[StepRecord]:
     for i in range(n):
         tokens = int(rng.integers(1, 600)) if i % 2 else 0
         decodes = int(rng.integers(0 if tokens else 1, 12))
+        chunks = int(rng.integers(1, 4)) if tokens else 0
         pairs = tokens * (int(rng.integers(0, 3000)) + (tokens + 1) / 2)
         loaded = int(rng.integers(1, 2000)) if i % 5 == 0 else 0
         if i % 17 == 16:  # a due prefetch while no request was in
-            tokens = decodes = pairs = 0
+            tokens = decodes = pairs = chunks = 0
         load = true.load_time("host", loaded)
-        compute = true.step_time(tokens, pairs, decodes) if tokens or decodes else 0.0
+        compute = true.step_time(tokens, pairs, decodes, chunks) if tokens or decodes else 0.0
         out.append(StepRecord(tokens, pairs, decodes, compute + load, compute, loaded_tokens=loaded,
-                              load_seconds=load, written_tokens=tokens, write_seconds=tokens * 1e-7))
+                              load_seconds=load, written_tokens=tokens, write_seconds=tokens * 1e-7,
+                              prefill_seqs=chunks))
     return out
 
 
-TRUE = CostModel(prefill_per_token=4e-4, attention_per_pair=3e-8, decode_step=0.02, decode_per_seq=0.003,
-                 step_overhead=0.001, kv_bytes_per_token=512.0, host_bandwidth=3e9)
+TRUE = CostModel(prefill_per_token=4e-4, attention_per_pair=3e-8, prefill_per_seq=0.002, decode_step=0.02,
+                 decode_per_seq=0.003, step_overhead=0.001, kv_bytes_per_token=512.0, host_bandwidth=3e9)
 
 
 def test_the_fit_recovers_time_constants_and_host_bandwidth_from_mixed_steps_with_loads():
@@ -107,6 +109,25 @@ def test_the_fit_recovers_time_constants_and_host_bandwidth_from_mixed_steps_wit
     assert fitted.storage_bandwidth == CostModel().storage_bandwidth  # nothing loaded from storage
     with pytest.raises(ValueError, match="at least 5"):
         CostModel.fit([r for r in synthetic_steps(TRUE) if not r.computes])
+
+
+def test_steps_recorded_before_chunks_were_counted_fit_without_the_per_chunk_term():
+    """A step file from before ``prefill_seqs`` was recorded (None): the per-chunk constant stays 0, the others
+    are fitted as before; ``record_time`` charges such a step one chunk where it prefilled."""
+    true = replace(TRUE, prefill_per_seq=0.0)
+    old = [replace(r, prefill_seqs=None) for r in synthetic_steps(true)]
+    fitted = CostModel.fit(old, kv_bytes_per_token=512)
+    assert fitted.prefill_per_seq == 0.0
+    assert fitted.prefill_per_token == pytest.approx(true.prefill_per_token, rel=1e-6)
+    step = StepRecord(100, 5050.0, 2, 1.0, 1.0, prefill_seqs=None)
+    assert TRUE.record_time(step) == pytest.approx(TRUE.step_time(100, 5050.0, 2, 1))
+    assert TRUE.record_time(replace(step, prefill_seqs=3)) - TRUE.record_time(step) == pytest.approx(0.004)
+
+
+def test_a_recorded_step_counts_its_prefill_chunks():
+    step = StepRecord.of([0, 10, 5], [7, 3, 1], 0.1, 0.09, [True, True, False])
+    assert (step.prefill_seqs, step.prefill_tokens, step.decodes) == (2, 10, 1)
+    assert StepRecord.from_dict({**asdict(step), "prefill_seqs": None}).prefill_seqs is None
 
 
 def test_both_weightings_recover_exact_constants_and_differ_on_noisy_steps():

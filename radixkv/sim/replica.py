@@ -281,7 +281,7 @@ class Replica:
         decoding = [s for s, _ in batch if not s.prefilling]
         tokens = sum(n for _, n in chunks)
         pairs = float(sum(causal_pairs(n, s.computed) for s, n in chunks))
-        dt = self.cost.step_time(tokens, pairs, len(decoding))
+        dt = self.cost.step_time(tokens, pairs, len(decoding), len(chunks))
         if self.cache.tiers:  # this step's loads from the lower tiers (writes run beside the forward)
             loads = self._load_seconds()
             self.result.load_seconds += loads
