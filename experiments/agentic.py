@@ -16,14 +16,21 @@ closed-loop streams with their recorded pauses) in four parts (``--parts``):
   baselines, ``belady`` the clairvoyant eviction), on the device alone and over a host tier of
   ``--session-host-ratios`` x the device (``write_back``); each row also gives the sessions' time in
   service (the sum over a session's requests of finish less ready) and the host traffic.
+* a main agent's request waits for the sub-agents the trace shows it waited for (``agentic``'s
+  ``wait_for_sub_agents``; ``--no-sub-agent-waits``: its recorded pause alone).
+* every replica prefills as vLLM and SGLang do on these GPUs: at most ``--chunked-prefill-size`` tokens a step
+  (8,192), a long prompt in chunks across steps while the others decode (0: each prompt whole in one step);
+  a capacity must fit the cost preset's node (``radixkv.gpu_memory``), or be forced and marked ``infeasible``.
 * each row also splits the tokens an unlimited cache would have hit and this one missed by what the
   request waited for: a tool call (``tool_use``), a human turn (``end_turn``), an unrecorded stop, or
   nothing (a stream's first request); and gives each session's time in service (its last answer's end
   less its start), mean and p50.
 
-One JSON line per configuration in ``OUT/agentic.jsonl`` with its full config (a rerun skips the rows
-already there, so the grid can be run a part at a time; the tables and figures show every row of the
-file); configurations run as Ray tasks of one CPU (``--no-ray``: here, in turn). Also ``OUT/config.json``,
+One JSON line per configuration in ``OUT/agentic.jsonl`` with its full config and the commit it ran
+(``git_commit``, ``git_dirty``). OUT must hold no rows unless ``--resume`` is given, which runs only the
+configurations missing from it (so the grid can be run a part at a time); the tables and figures show every
+row of the file, and the tables' first line names the commits they come from. Configurations run as Ray
+tasks of one CPU where Ray is installed (``--no-ray``, or no Ray: here, in turn). Also ``OUT/config.json``,
 ``OUT/tables.md`` (as printed) and the figures ``OUT/hit_rate_vs_capacity.png``,
 ``OUT/ttft_vs_capacity.png`` and ``OUT/sessions_ttft_vs_capacity.png``. A full replay takes about a minute
 at 2M tokens on one core; the default grid is hundreds of them (hours): pass subsets of the flags.
@@ -48,6 +55,7 @@ from radixkv.cache.eviction import POLICIES as ONLINE
 from radixkv.cache.tiered import WRITE_POLICIES
 from radixkv.cache.tiers import HOST_LAYOUTS
 from radixkv.cost import COST_PRESETS, CostModel
+from radixkv.gpu_memory import check_capacity
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.sim.cluster import cluster_references
@@ -78,9 +86,16 @@ def parse_args(argv: list[str] | None):
     p = parser(__doc__.splitlines()[0], "docs/figures/agentic")
     p.add_argument("--trace", default=str(TRACE), help="the agentic sessions file (.jsonl)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
-    p.add_argument("--capacities", default="0.25,0.5,1,2,4,8,16,32,64", help="device tokens per replica, millions")
+    p.add_argument("--capacities", default="0.25,0.5,1", help="device tokens per replica, millions; each must fit "
+                   "the preset's node (radixkv.gpu_memory: HBM less weights less a 10%% activation reserve)")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="tokens a step prefills, in chunks of at "
+                   "most as many per request, as vLLM and SGLang do on these GPUs (8,192; 0: every prompt whole)")
+    p.add_argument("--no-sub-agent-waits", action="store_true", help="a main agent resumes on its recorded pause "
+                   "alone, as before (default: it also waits for the sub-agents the trace shows it waited for)")
+    p.add_argument("--force-capacity", action="store_true", help="run capacities past the node's memory too; their "
+                   "rows say infeasible")
     p.add_argument("--concurrency", default="16,64", help="active sessions (in all, for the routers' part)")
-    p.add_argument("--cost-presets", default="llama3-70b-8xh100,llama3-8b-h100", help="the simulator's cost models")
+    p.add_argument("--cost-presets", default="llama3-70b-8xh100", help="the simulator's cost models")
     p.add_argument("--caches", default="radix,hash", help="part capacity's caches")
     p.add_argument("--policies", default=",".join(POLICIES), help="part capacity's eviction policies")
     p.add_argument("--host-ratio", type=float, default=4.0, help="part tiers: host tokens per device token")
@@ -108,6 +123,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--engine-max-prompt", type=int, default=1024, help="--engine: longest scaled prompt (tokens)")
     p.add_argument("--engine-kv-tokens", type=int, default=4096, help="--engine: the engine's KV pool")
     sweep.add_ray_flags(p)
+    sweep.add_resume_flag(p)
     return p.parse_args(argv)
 
 
@@ -124,8 +140,14 @@ def grid(args) -> list[dict]:
         for preset in presets:
             base = {"concurrency": conc, "seed": args.seed, "max_pause": args.max_pause, "sessions": args.sessions,
                     "cost_preset": preset, **({"split": args.split} if args.split else {}),
+                    "chunked_prefill_size": args.chunked_prefill_size or None,
+                    **({} if args.no_sub_agent_waits else {"sub_agent_waits": True}),
                     "page_size": PAGE, "replicas": 1, "router": None, "host_ratio": 0.0, "write_policy": None}
             for cap in caps:
+                if not check_capacity(preset, cap, args.force_capacity):  # forced past the node's HBM: say so
+                    base = {**base, "infeasible": True}
+                else:
+                    base.pop("infeasible", None)
                 if "capacity" in parts:
                     for cache in names_from(args.caches, ("radix", "hash"), "--caches"):
                         for policy in names_from(args.policies, POLICIES, "--policies"):
@@ -176,8 +198,9 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
     sessions' time in service."""
     t0 = time.perf_counter()
     cost = CostModel.preset(config["cost_preset"])
+    chunk = config.get("chunked_prefill_size")  # None (rows from before it was a flag): whole prompts
     common = dict(cache=config["cache"], capacity_tokens=config["capacity_tokens"], page_size=PAGE,
-                  block_size=PAGE, cost_model=cost)
+                  block_size=PAGE, cost_model=cost, max_batch_tokens=chunk, chunked_prefill_size=chunk)
     if config["router"] == "references":
         return {"key": sweep.key(config), "config": config, "seconds": time.perf_counter() - t0,
                 **cluster_references(requests, config["replicas"], **common)}
@@ -234,7 +257,7 @@ def sessions(rows: list[dict]) -> dict:
 def tables(rows: list[dict], bound: float) -> str:
     """The headline table (capacity x policy at 16 sessions, llama3-70b-8xh100, radix), the cliff per
     concurrency, where LRU falls furthest below the bound and which misses cause it, then the other parts."""
-    out = [f"Upper bound (unlimited memory, every request in order): {bound:.4f}", ""]
+    out = [sweep.commits_line(rows), "", f"Upper bound (unlimited memory, every request in order): {bound:.4f}", ""]
     cap_rows = [r for r in rows if r["config"]["part"] == "capacity"]
     for conc in sorted({r["config"]["concurrency"] for r in cap_rows}):
         for preset in sorted({r["config"]["cost_preset"] for r in cap_rows}):
@@ -264,7 +287,7 @@ def session_table(rows: list[dict]) -> list[str]:
                                          order.index(r["config"]["label"]))):
         c = r["config"]
         host = c["host_ratio"] * c["capacity_tokens"]
-        lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {f'{host / 1e6:g}M{_write(c)}' if host else '-'} | "
+        lines.append(f"| {_device(c)} | {f'{host / 1e6:g}M{_write(c)}' if host else '-'} | "
                      f"{c['concurrency']:g} | {c['label']} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | "
                      f"{r['ttft_p99']:.1f} | {r['service_time_mean']:.0f} | "
                      f"{r['loaded_tokens'] / 1e6:.0f} / {r['written_tokens'] / 1e6:.0f} |")
@@ -288,6 +311,12 @@ def _write(config: dict) -> str:
     return f" ({', '.join(tags)})" if tags else ""
 
 
+def _device(config: dict) -> str:
+    """A row's device capacity as the tables show it: millions of tokens, ``infeasible`` where it was forced
+    past its node's memory (``--force-capacity``)."""
+    return f"{config['capacity_tokens'] / 1e6:g}M" + (" infeasible" if config.get("infeasible") else "")
+
+
 def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
     caps = sorted({r["config"]["capacity_tokens"] for r in rows})
     policies = [p for p in POLICIES if any(r["config"]["eviction_policy"] == p for r in rows)]
@@ -297,7 +326,9 @@ def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
              "| device tokens | " + " | ".join(policies) + " |", "| ---: |" + " ---: |" * len(policies)]
     for c in caps:
         rejected = max(r["rejected"] for r in rows if r["config"]["capacity_tokens"] == c)
-        lines.append(f"| {c / 1e6:g}M{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
+        infeasible = any(r["config"].get("infeasible") for r in rows if r["config"]["capacity_tokens"] == c)
+        lines.append(f"| {c / 1e6:g}M{' infeasible' if infeasible else ''}"
+                     f"{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
             f"{cell[c, p]['hit_rate']:.3f} ({cell[c, p]['ttft_mean']:.2f}, {cell[c, p]['ttft_p99']:.1f})"
             if (c, p) in cell else "" for p in policies) + " |")
     lru = [cell[c, "lru"] for c in caps if (c, "lru") in cell]
@@ -334,11 +365,11 @@ def part_table(rows: list[dict], part: str) -> list[str]:
                                          str(r["config"][name]))):
         c = r["config"]
         if c.get("router") == "references":
-            lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {c['concurrency']:g} | {c['cost_preset']} | "
+            lines.append(f"| {_device(c)} | {c['concurrency']:g} | {c['cost_preset']} | "
                          f"pooled: lru {r['pooled_lru']:.3f}, belady {r.get('pooled_belady', math.nan):.3f} | "
                          f"bound {r['upper_bound']:.3f} | | |")
         else:
-            lines.append(f"| {c['capacity_tokens'] / 1e6:g}M | {c['concurrency']:g} | {c['cost_preset']} | "
+            lines.append(f"| {_device(c)} | {c['concurrency']:g} | {c['cost_preset']} | "
                          f"{c[name]} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | {r['ttft_p99']:.1f} |")
     return [*lines, ""]
 
@@ -457,6 +488,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.engine:
         return engine_part(args, out)
     path = out / RESULTS
+    sweep.fresh_results(path, args.resume)
     layout = {"trace": Path(args.trace).name, "trace_bytes": Path(args.trace).stat().st_size, "seed": args.seed,
               "max_pause": args.max_pause, "sessions": args.sessions, "split": args.split, "page_size": PAGE}
     sweep.write_config(out / "config.json", {"workload": layout, "grid": configs,
@@ -472,7 +504,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             todo = sweep.pending([c for c in configs if c["concurrency"] == conc], done)
             if todo:
                 requests = agentic(args.trace, concurrency=conc, seed=args.seed, max_pause=args.max_pause,
-                                   sessions=args.sessions, split=args.split)
+                                   sessions=args.sessions, split=args.split,
+                                   wait_for_sub_agents=not args.no_sub_agent_waits)
                 failures += sweep.execute(requests, todo, path, ray, desc=f"{conc:g} sessions", run=run_one)[1]
     rows = sweep.read_results(path)  # the tables and figures show every row in the file, from any invocation
     print(f"ran in {time.perf_counter() - t0:.0f} s; {sum(r['seconds'] for r in rows):.0f} s of runs in the file")

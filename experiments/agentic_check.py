@@ -6,10 +6,11 @@
 ``python -m experiments.agentic_check --pair NAME MEASURED PREDICTED [--pair ...] --out FILE`` reads each
 configuration's two ``experiments.agentic_online`` folders (one run on a server, one ``--simulate`` with
 ``--orders``), joins their rows on (session, stream, turn) and writes a table (``FILE.md``) and the figures
-(``FILE.json``): mean TTFT, p90 TTFT, hit rate and mean session completion, measured (one run) against
-predicted (mean over the orders, with its 95% interval), the relative errors, whether each is within the
-targets (TTFT mean 15%, p90 25%, hit rate 0.02), and the ranking of the configurations by mean TTFT on both
-sides.
+(``FILE.json``): mean TTFT, p90 TTFT, hit rate and mean session completion, measured (one run, or the mean of
+several arrival orders' runs given comma-separated) against predicted (mean over the orders, with its 95%
+interval; and over the measured runs' own orders, ``_paired``), the relative errors, whether each is within
+the targets (TTFT mean 15%, p90 25%, hit rate 0.02), and the ranking of the configurations by mean TTFT on
+both sides.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import HelpFormatter, environment, run_cli, table
+from radixkv.sim.metrics import interval
 
 TARGETS = {"ttft_mean": 0.15, "ttft_p90": 0.25, "hit_rate": 0.02}  # relative, relative, absolute
 
@@ -33,24 +35,41 @@ def read(folder: str | Path) -> tuple[list[dict], dict]:
 
 
 def compare(name: str, measured: str | Path, predicted: str | Path) -> dict:
-    """One configuration's row of the check; ``ValueError`` where the two replays are not the same requests."""
-    m_rows, m = read(measured)
+    """One configuration's row of the check; ``ValueError`` where the replays are not the same requests.
+    ``measured``: one server replay folder, or several joined by commas (the same configuration in other
+    arrival orders, ``--order``): the measured figures are then their mean (``_ci95`` its interval), and
+    ``_paired`` gives the simulator's mean over the same orders beside its mean over all of its orders."""
+    runs = [read(folder) for folder in str(measured).split(",")]
     p_rows, p = read(predicted)
     key = lambda r: (r["session"], r["stream"], r["turn"])  # noqa: E731
-    if sorted(map(key, m_rows)) != sorted(map(key, p_rows)):
-        raise ValueError(f"{name}: {measured} and {predicted} replayed different requests")
+    for m_rows, _ in runs:
+        if sorted(map(key, m_rows)) != sorted(map(key, p_rows)):
+            raise ValueError(f"{name}: {measured} and {predicted} replayed different requests")
+    measured_orders = [_order(folder) for folder in str(measured).split(",")]
     orders = p.get("orders", {})
-    row = {"config": name, "requests": m["finished"], "failed": m["requests"] - m["finished"]}
+    first = runs[0][1]
+    row = {"config": name, "requests": first["finished"], "failed": first["requests"] - first["finished"],
+           "measured_orders": measured_orders}
     for metric in ("ttft_mean", "ttft_p90", "hit_rate", "session_completion_mean"):
-        pred = orders.get(metric, {"mean": p[metric], "ci95": float("nan")})
-        row |= {f"{metric}_measured": m[metric], f"{metric}_predicted": pred["mean"],
-                f"{metric}_ci95": pred["ci95"], f"{metric}_order0": p[metric]}
+        pred = orders.get(metric, {"mean": p[metric], "ci95": float("nan"), "values": [p[metric]]})
+        meas = interval([m[metric] for _, m in runs])
+        paired = [pred["values"][o] for o in measured_orders if o < len(pred["values"])]
+        row |= {f"{metric}_measured": meas["mean"], f"{metric}_measured_ci95": meas["ci95"],
+                f"{metric}_predicted": pred["mean"], f"{metric}_ci95": pred["ci95"], f"{metric}_order0": p[metric],
+                f"{metric}_predicted_paired": float(np.mean(paired)) if len(paired) == len(runs) else float("nan")}
         if metric == "hit_rate":
-            row["hit_rate_error"] = pred["mean"] - m[metric]
+            row["hit_rate_error"] = pred["mean"] - meas["mean"]
         else:
-            row[f"{metric}_error"] = pred["mean"] / m[metric] - 1
+            row[f"{metric}_error"] = pred["mean"] / meas["mean"] - 1
     row["within"] = all(abs(row[f"{k}_error"]) <= bound for k, bound in TARGETS.items())
     return row
+
+
+def _order(folder: str | Path) -> int:
+    """The arrival order a server replay ran (its ``config.json``; 0 where it does not say)."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return int(config.get("config", {}).get("order", 0))
 
 
 def frontend_overhead(measured: str | Path, predicted: str | Path, small: int = 128) -> dict:
@@ -72,7 +91,8 @@ def ranking(rows: list[dict], side: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument("--pair", nargs=3, action="append", metavar=("NAME", "MEASURED", "PREDICTED"),
-                   help="a configuration's name, its server replay folder and its --simulate folder")
+                   help="a configuration's name, its server replay folder (or several, comma-separated: the same "
+                   "configuration in other --order's, averaged) and its --simulate folder")
     p.add_argument("--overhead", nargs=2, metavar=("MEASURED", "PREDICTED"), default=None,
                    help="print the server's own seconds per request (frontend_overhead) from a replay and its "
                    "simulation with --frontend-overhead 0, and stop")
@@ -86,10 +106,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give --pair (one or more) or --overhead")
     rows = [compare(*pair) for pair in args.pair]
     order = {"measured": ranking(rows, "measured"), "predicted": ranking(rows, "predicted")}
-    cols = ["config", "requests", "ttft_mean_measured", "ttft_mean_predicted", "ttft_mean_ci95", "ttft_mean_error",
+    cols = ["config", "requests", "measured_orders", "ttft_mean_measured", "ttft_mean_measured_ci95",
+            "ttft_mean_predicted", "ttft_mean_ci95", "ttft_mean_predicted_paired", "ttft_mean_error",
             "ttft_p90_measured", "ttft_p90_predicted", "ttft_p90_error", "hit_rate_measured", "hit_rate_predicted",
             "hit_rate_error", "session_completion_mean_measured", "session_completion_mean_predicted", "within"]
-    text = table(rows, cols, {c: ".3g" for c in cols if c not in ("config", "requests", "within")})
+    text = table(rows, cols, {c: ".3g" for c in cols if c not in ("config", "requests", "within", "measured_orders")})
     same = "the same" if order["measured"] == order["predicted"] else "differs"
     text += (f"\n\nranking by mean TTFT, measured: {', '.join(order['measured'])}; predicted: "
              f"{', '.join(order['predicted'])} ({same})\n")

@@ -49,6 +49,7 @@ from experiments.agentic_replay import (
 )
 from experiments.common import environment, parser, run_cli
 from radixkv.cost import CostModel
+from radixkv.sim.metrics import interval
 from radixkv.workloads import Request
 from radixkv.workloads.agentic_scaled import agentic_scaled, reordered, time_scaled
 from radixkv.workloads.split import SPLITS
@@ -304,16 +305,6 @@ def summary(rows: list[dict]) -> dict:
             "ttft_p99": float(np.percentile(ttft, 99)), "latency_mean": float(np.mean([r["latency"] for r in ok])),
             "hit_rate": sum(r["cached_tokens"] or 0 for r in ok) / max(prompt, 1), "prompt_tokens": prompt,
             "session_completion_mean": float(np.mean(completion))}
-
-
-T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def interval(values: list[float]) -> dict:
-    """Mean and the half-width of its 95% interval (Student's t; 1.96 past 10 degrees of freedom)."""
-    v = np.asarray(values, dtype=np.float64)
-    half = T975.get(len(v) - 1, 1.96) * v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else float("nan")
-    return {"mean": float(v.mean()), "ci95": float(half), "values": v.tolist()}
 
 
 def simulated_orders(requests: list[Request], args: argparse.Namespace, write) -> dict:

@@ -216,12 +216,55 @@ def pending(configs: Sequence[dict], rows: Iterable[dict]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- running
 
+def provenance() -> dict:
+    """What a row was computed by: ``git_commit`` and ``git_dirty`` (local changes to tracked files)."""
+    env = environment()
+    return {"git_commit": env["git_commit"], "git_dirty": env["git_dirty"]}
+
+
+def commits_line(rows: Iterable[dict]) -> str:
+    """One line saying which code the rows came from, so a table never mixes commits silently: the commit
+    (and ``dirty`` where the tree had local changes) with its row count, ``unrecorded`` for rows from before
+    rows recorded it; a warning first where there is more than one."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        commit = r.get("git_commit")
+        name = "unrecorded" if commit is None else commit[:7] + (" dirty" if r.get("git_dirty") else "")
+        counts[name] = counts.get(name, 0) + 1
+    listed = ", ".join(f"{name} ({n} rows)" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"MIXED: rows from {len(counts)} versions of the code: {listed}" if len(counts) > 1
+            else f"rows from {listed}")
+
+
+def fresh_results(path: str | Path, resume: bool) -> None:
+    """Refuse to add to a results file that holds rows unless ``resume`` (a rerun must not silently keep
+    rows of other code): ``ValueError`` naming both ways out."""
+    rows = read_results(path)
+    if rows and not resume:
+        raise ValueError(f"{path} already holds {len(rows)} rows ({commits_line(rows)}); pass --resume to add the "
+                         f"missing ones to them, or choose a fresh --out")
+
+
+def add_resume_flag(p) -> None:
+    p.add_argument("--resume", action="store_true", help="add to the rows already in OUT, running only the missing "
+                   "configurations (otherwise OUT must hold none)")
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator:
     """Ray, initialized: joins ``address`` if given (shipping this ``experiments`` package to its workers;
     radixkv must be installed there), else starts a local instance of ``num_cpus`` (all cores); either is shut
-    down afterwards. An instance already initialized by the caller is used as is and left up."""
-    import ray
+    down afterwards. An instance already initialized by the caller is used as is and left up. Where Ray is not
+    installed (the ``ray`` extra), None with a note: the configurations run in this process, one by one."""
+    try:
+        import ray
+    except ImportError:
+        if address:
+            raise ValueError("--ray-address needs Ray: pip install 'radixkv[ray]'") from None
+        print("Ray is not installed (pip install 'radixkv[ray]'): running the configurations here, one by one",
+              file=sys.stderr)
+        yield None
+        return
 
     if ray.is_initialized():
         yield ray
@@ -248,15 +291,17 @@ def execute(requests: Sequence[Request], configs: Sequence[dict], path: str | Pa
     With ``ray`` (an initialized ``ray`` module) the workload is put in the object store once and each
     configuration is a task of one CPU, collected with ``ray.wait`` as they finish; without, they run here in
     turn. A configuration that raises is reported (``failures``: config, error) and the others go on; it is
-    not written, so the next run retries it.
+    not written, so the next run retries it. Each row carries the code it ran (``provenance``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     failures: list[tuple[dict, str]] = []
+    stamp = provenance()
     with path.open("a") as f, tqdm(total=len(configs), desc=desc, unit="run", file=sys.stderr) as bar:
         def record(config: dict, row: dict | None, error: str | None) -> None:
             if row is not None:
+                row = {**row, **stamp}
                 f.write(result_line(row))
                 f.flush()
                 rows.append(row)

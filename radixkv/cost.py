@@ -336,12 +336,19 @@ def _gpu_preset(params: float, layers: int, hidden: int, kv_heads: int, gpus: in
 
 
 # Datasheet figures: H100 SXM 989 dense bf16 TFLOPS, 3.35 TB/s HBM3; H200 the same FLOPs, 4.8 TB/s HBM3e;
-# both PCIe Gen5 x16 (about 50 GB/s achieved of 64). Storage: one 400 Gb/s RDMA link (50 GB/s), the
-# order of Mooncake store's per-node transfer engine; the engine's CPU preset is ``CostModel()``.
+# B200 (HGX, 1,000 W) 2,250 dense bf16 TFLOPS, 8 TB/s HBM3e; all PCIe Gen5 x16 to the host (about 50 GB/s
+# achieved of 64), summed over the node's GPUs. Storage: one 400 Gb/s RDMA link (50 GB/s), the order of
+# Mooncake store's per-node transfer engine. The engine's CPU preset is ``CostModel()``. The memory each node
+# has for KV is ``radixkv.gpu_memory.NODE_MEMORY``'s.
 COST_PRESETS: dict[str, CostModel] = {
     "cpu-smollm2-135m": CostModel(),
     "llama3-8b-h100": _gpu_preset(8.0e9, 32, 4096, 8, 1, 989, 3.35, 50, 50),
     "llama3-8b-h200": _gpu_preset(8.0e9, 32, 4096, 8, 1, 989, 4.8, 50, 50),
     "llama3-70b-8xh100": _gpu_preset(70.6e9, 80, 8192, 8, 8, 989, 3.35, 50, 50),
     "llama3-70b-8xh200": _gpu_preset(70.6e9, 80, 8192, 8, 8, 989, 4.8, 50, 50),
+    "llama3-70b-8xb200": _gpu_preset(70.6e9, 80, 8192, 8, 8, 2250, 8.0, 50, 50),
 }
+# Where loads matter: the 8xH100 node with its host tier behind one GPU's PCIe link (50 GB/s, not summed over
+# 8: a host pool that one NUMA node's root complex serves) and a storage tier of local NVMe (10 GB/s).
+COST_PRESETS["llama3-70b-8xh100-pcie"] = replace(COST_PRESETS["llama3-70b-8xh100"], host_bandwidth=50e9,
+                                                 storage_bandwidth=10e9)

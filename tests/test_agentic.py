@@ -211,11 +211,15 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     assert "| 0.001M (segments) |" in text
     assert (out / "config.json").is_file() and (out / "hit_rate_vs_capacity.png").is_file()
     assert (out / "sessions_ttft_vs_capacity.png").is_file()
-    assert experiment.main(argv) and len((out / "agentic.jsonl").read_text().splitlines()) == len(rows)  # resumed
+    assert text.startswith("rows from ") and all(r["git_commit"] == rows[0]["git_commit"] for r in rows)
+    with pytest.raises(ValueError, match="already holds .* --resume"):  # a rerun never keeps old rows silently
+        experiment.main(argv)
+    resumed = experiment.main([*argv, "--resume"])
+    assert resumed and len((out / "agentic.jsonl").read_text().splitlines()) == len(rows)  # nothing was missing
     with pytest.raises(ValueError, match="--policies"):
         experiment.main([*argv, "--policies", "nope"])
     # a second write policy over the host tier: its own rows, marked in the table
-    more = experiment.main([*argv, "--parts", "sessions", "--session-configs", "session",
+    more = experiment.main([*argv, "--parts", "sessions", "--session-configs", "session", "--resume",
                             "--session-write-policies", "write_back,write_through"])
     more = [r for r in more if r["config"]["part"] == "sessions" and r["config"]["label"] == "session"]
     assert sorted(r["config"]["write_policy"] or "-" for r in more) == ["-"] * 2 + ["write_back"] * 6 + \
@@ -235,3 +239,30 @@ def test_the_engine_slice_gets_the_hits_the_simulator_predicts(small, tmp_path):
                             "--engine-kv-tokens", "256"])
     assert len(rows) == 6 and all(r["equal"] for r in rows)
     assert sum(r["engine_hit"] for r in rows) > 0 and (tmp_path / "engine.jsonl").is_file()
+
+
+def test_a_capacity_past_the_nodes_memory_is_refused_unless_forced_and_then_marked(small, tmp_path):
+    from experiments import agentic as experiment
+    from radixkv.gpu_memory import InfeasibleCapacity
+
+    argv = ["--trace", str(small), "--no-ray", "--capacities", "0.001,0.5", "--concurrency", "2", "--cost-presets",
+            "llama3-8b-h100", "--parts", "capacity", "--caches", "radix", "--policies", "lru"]
+    with pytest.raises(InfeasibleCapacity, match="426,788 tokens"):  # 1 x 80 GB less 16.1 GB of weights, less 10%
+        experiment.main([*argv, "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused" / "agentic.jsonl").exists()
+    rows = experiment.main([*argv, "--force-capacity", "--out", str(tmp_path / "forced")])
+    assert {(r["config"]["capacity_tokens"], bool(r["config"].get("infeasible"))) for r in rows} == {
+        (1000, False), (500_000, True)}
+    assert "| 0.5M infeasible |" in (tmp_path / "forced" / "tables.md").read_text()
+
+
+def test_a_main_agent_waits_for_the_sub_agents_the_trace_shows_it_waited_for(small, tmp_path):
+    plain, waiting = by_meta(agentic(small)), by_meta(agentic(small, wait_for_sub_agents=True))
+    human = waiting["A", 0, 2]  # sent at t 100; the sub-agent's final answer ended at t 16, after t 10's send
+    assert plain["A", 0, 2].after == () and plain["A", 0, 2].think_time == 88.0
+    assert human.after == (waiting["A", 1, 1].rid,) and human.think_time == 84.0  # its gap after that answer
+    assert human.arrival >= waiting["A", 1, 1].arrival + 84.0
+    assert all(r.after == () for key, r in waiting.items() if key != ("A", 0, 2))  # no other request waited
+    res = simulate(list(waiting.values()), capacity_tokens=10_000)
+    rows = {(r["session"], r["stream"], r["turn"]): r for r in res.per_request}
+    assert rows["A", 0, 2]["ready"] == pytest.approx(rows["A", 1, 1]["finish"] + 84.0)

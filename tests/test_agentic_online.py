@@ -195,3 +195,29 @@ def test_a_server_that_fails_leaves_a_row_per_request_sent_and_the_file_readable
     rows = [json.loads(line) for line in (tmp_path / "dead" / "requests.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] for r in rows) and all(r["turn"] == 0 for r in rows)  # each stream's first
     assert result["finished"] == 0 and result["requests"] == len(rows)
+
+
+def test_the_check_averages_several_measured_orders_and_pairs_them_with_the_simulators(tmp_path: Path):
+    def folder(name: str, summary: dict, order: int | None = None) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        rows = [{"session": "s", "stream": 0, "turn": t, "ttft": 0.1, "prompt_tokens": 10, "cached_tokens": 5}
+                for t in range(2)]
+        (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path / "summary.json").write_text(json.dumps({"requests": 2, "finished": 2, **summary}))
+        if order is not None:
+            (path / "config.json").write_text(json.dumps({"config": {"order": order}}))
+        return str(path)
+
+    metrics = ("ttft_mean", "ttft_p90", "hit_rate", "session_completion_mean")
+    m0 = folder("m0", dict.fromkeys(metrics, 1.0), order=0)
+    m2 = folder("m2", dict.fromkeys(metrics, 3.0), order=2)
+    values = [1.0, 9.0, 2.0, 9.0, 9.0]  # the simulator's five orders
+    p = folder("p", {**dict.fromkeys(metrics, 1.0), "orders": {
+        m: {"mean": float(np.mean(values)), "ci95": 1.0, "values": values} for m in metrics}})
+    row = agentic_check.compare("lru", f"{m0},{m2}", p)
+    assert row["measured_orders"] == [0, 2] and row["ttft_mean_measured"] == 2.0
+    assert row["ttft_mean_predicted"] == 6.0 and row["ttft_mean_predicted_paired"] == 1.5  # orders 0 and 2
+    assert row["ttft_mean_error"] == pytest.approx(2.0) and row["hit_rate_error"] == pytest.approx(4.0)
+    one = agentic_check.compare("lru", m0, p)
+    assert one["ttft_mean_measured"] == 1.0 and np.isnan(one["ttft_mean_measured_ci95"])

@@ -14,7 +14,10 @@ How the sessions are laid out (``agentic``):
   later one ``think_time`` after the previous request of its stream finished in the simulation
   (``parent``), the recorded pause: the ``t`` difference less the previous ``api_time`` where recorded,
   else the record's ``think_time``. A sub-agent's first request hangs from the main agent's latest request
-  sent before it (by the recorded ``t``), after the recorded gap from that request's answer.
+  sent before it (by the recorded ``t``), after the recorded gap from that request's answer. With
+  ``wait_for_sub_agents`` a main agent's request also waits (``after``) for each sub-agent whose final answer
+  ended within the main agent's pause before it, and is sent the recorded gap after the last of them: the
+  trace shows the main agent resumed when its Task tool's sub-agent had answered.
   ``max_pause`` caps every pause (off by default: human turns of an hour stay an hour). A request's
   ``arrival`` is the session's start plus the pauses along its chain: a lower bound of when it is sent
   (it never delays it), which orders the requests (``rid``) near the order they are sent in, as the
@@ -118,7 +121,7 @@ def session_duration(rows: list[dict]) -> float:
 
 def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: float | None = None,
             max_pause: float | None = None, share_prefix: bool = False, sessions: int | None = None,
-            split: str | None = None) -> list[Request]:
+            split: str | None = None, wait_for_sub_agents: bool = False) -> list[Request]:
     """The sessions of ``path`` as requests for ``simulate`` and ``simulate_cluster``; see the module doc.
 
     Args:
@@ -130,6 +133,8 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
         sessions: only the first N sessions of the seeded order (a slice; None: all).
         split: only the sessions on this side of the project's split (``radixkv.workloads.split``: ``"tune"``
             or ``"test"``), taken before the order and the slice; None: every session.
+        wait_for_sub_agents: a main agent's request also waits for the sub-agents the trace shows it waited
+            for (``_Layout.waits``): it is sent its recorded gap after the last of them finishes.
 
     ``ValueError`` for a bad file (``read_sessions``), a ``concurrency`` or ``rate`` that is not a number > 0, a
     negative ``max_pause``, ``sessions`` < 1, or an unknown ``split``; nothing is built then.
@@ -154,7 +159,7 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
     mean = float(np.mean([session_duration(by_session[n]) for n in names]))
     per_second = rate if rate is not None else concurrency / max(mean, 1e-9)
     starts = np.cumsum(rng.exponential(1.0 / per_second, size=len(names)))
-    layout = _Layout(share_prefix, max_pause)
+    layout = _Layout(share_prefix, max_pause, wait_for_sub_agents)
     requests: list[Request] = []
     for name, start in zip(names, starts, strict=True):
         layout.session(by_session[name], float(start), requests)
@@ -164,8 +169,9 @@ def agentic(path: str | Path, *, concurrency: float = 16, seed: int = 0, rate: f
 class _Layout:
     """Builds each session's requests: global block ids, tails, parents and pauses."""
 
-    def __init__(self, share_prefix: bool, max_pause: float | None):
+    def __init__(self, share_prefix: bool, max_pause: float | None, wait_for_sub_agents: bool = False):
         self.share_prefix, self.max_pause = share_prefix, np.inf if max_pause is None else max_pause
+        self.wait_for_sub_agents = wait_for_sub_agents
         self.next_id = 1  # the next unused global block id
         self.shared: dict[tuple[int, int], int] = {}  # (tool, system tokens) -> first of its shared block ids
         self.seen: set[int] = set()  # every block id a prompt laid out so far held
@@ -177,21 +183,40 @@ class _Layout:
         last: dict[int, int] = {}  # stream -> index in ``out`` of its latest request
         main: list[int] = []  # indices of the main agent's requests, in order
         turns: dict[int, int] = {}
+        final = {row["stream"]: row["t"] for row in rows}  # stream -> its last request's t (times never go back)
         for row in sorted(rows, key=lambda r: r["t"]):  # stable: a stream's own order stays
             stream = row["stream"]
             parent, pause = self._parent(row, out, last, main)
+            after: tuple[int, ...] = ()
+            if self.wait_for_sub_agents and parent is not None and not is_sub_agent(stream):
+                after, pause = self.waits(row, parent, pause, out, last, final)
             turns[stream] = turns.get(stream, -1) + 1
             tail = row["input_length"] % AGENTIC_BLOCK
             prompt = BlockPrompt(self._ids(row, base), AGENTIC_BLOCK, tail, TAIL_BASE + AGENTIC_BLOCK * len(out))
             meta = {"stream": stream, "agent": row["agent"], "stop": row["stop"], "turn": turns[stream],
                     "after": None if parent is None else out[parent].meta["stop"],
                     "reusable": self._reusable(prompt), "t": row["t"], "api_time": row.get("api_time")}
-            arrival = start if parent is None else out[parent].arrival + pause  # a lower bound of its send time
-            out.append(Request(arrival=arrival, session=row["session"], prompt=prompt,
+            # a lower bound of its send time: the pause after the latest of what it waits for
+            arrival = start if parent is None else max(out[i].arrival for i in (parent, *after)) + pause
+            out.append(Request(arrival=arrival, session=row["session"], prompt=prompt, after=after,
                                output_len=max(row["output_length"], 1), parent=parent, think_time=pause, meta=meta))
             last[stream] = len(out) - 1
             if not is_sub_agent(stream):
                 main.append(len(out) - 1)
+
+    def waits(self, row: dict, parent: int, pause: float, out: list[Request], last: dict[int, int],
+              final: dict[int, float]) -> tuple[tuple[int, ...], float]:
+        """The sub-agents a main agent's request waited for, by the trace's times, and its pause after them: each
+        sub-agent stream whose final request ended (its ``t`` plus ``api_time``) after the main agent's previous
+        request was sent and before this one was (the main agent's pause covered its last answer, and it never
+        ran again: a Task tool's result). None of them: ``((), pause)`` unchanged. O(streams)."""
+        sent = out[parent].meta["t"]
+        waited = [i for s, i in last.items() if is_sub_agent(s) and out[i].meta["t"] == final[s]
+                  and sent < _end(out[i]) <= row["t"]]
+        if not waited:
+            return (), pause
+        gap = row["t"] - max(_end(out[i]) for i in waited)
+        return tuple(waited), min(max(gap, 0.0), self.max_pause)
 
     def _reusable(self, prompt: BlockPrompt) -> int:
         """Tokens of the prompt's leading blocks that an earlier prompt held (recorded order), within its
@@ -236,6 +261,11 @@ class _Layout:
         ids = BlockPrompt(runs, 1, 0, 0).block_ids()
         ids[:k] = np.arange(self.shared[key], self.shared[key] + k)
         return _runs_of(ids)
+
+
+def _end(request: Request) -> float:
+    """When a request's answer ended by the trace: its ``t`` plus its ``api_time`` (its ``t`` where unrecorded)."""
+    return request.meta["t"] + (request.meta["api_time"] or 0.0)
 
 
 def _runs_of(ids: np.ndarray) -> np.ndarray:
