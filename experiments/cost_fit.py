@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -89,17 +89,19 @@ def copies(records: Sequence[StepRecord]) -> dict:
     return {name: sum(getattr(r, name) for r in records) for name in TRANSFER_FIELDS}
 
 
-def fit_step_files(paths: Sequence[str], weighting: str = "relative") -> dict:
+def fit_step_files(paths: Sequence[str], weighting: str = "relative", per_chunk: bool = True) -> dict:
     """``--steps``: ``CostModel.fit`` to the records of these step files, at their KV bytes per token (one for
-    all: ``ValueError`` where they differ, or for a file that is not a step file). The result's fields."""
+    all: ``ValueError`` where they differ, or for a file that is not a step file). ``per_chunk=False`` leaves
+    the per-chunk constant out (``prefill_per_seq`` 0, as for files that did not count chunks). The result's
+    fields."""
     files = [read_steps(path) for path in paths]
     layouts = {f.kv_bytes_per_token for f in files}
     if len(layouts) != 1:
         raise ValueError(f"the step files have different KV bytes per token {sorted(layouts)}: fit one model's "
                          "steps at a time")
-    records = [r for f in files for r in f.records]
+    records = [r if per_chunk else replace(r, prefill_seqs=None) for f in files for r in f.records]
     cost = CostModel.fit(records, kv_bytes_per_token=layouts.pop(), weighting=weighting)
-    return {"cost": asdict(cost), "fit_steps": len(records), "weighting": weighting,
+    return {"cost": asdict(cost), "fit_steps": len(records), "weighting": weighting, "per_chunk": per_chunk,
             "step_errors": step_errors(cost, records), "copies": copies(records),
             "sources": [{"path": str(p), "steps": len(f.records), "started": f.header.get("started"),
                          "engine": f.header.get("config")} for p, f in zip(paths, files, strict=True)]}
@@ -127,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", nargs="+", metavar="PATH", default=None,
                    help="fit the step files radixkv serve --record-steps wrote instead (no engine runs; the "
                         "workload, model and device flags are unused)")
+    p.add_argument("--no-per-chunk", action="store_true", help="--steps: fit without the per-chunk constant "
+                   "(prefill_per_seq stays 0)")
     p.add_argument("--weighting", default="relative", choices=FIT_WEIGHTINGS,
                    help="how a step's error counts in the least squares: relative (to its seconds: short and "
                         "long steps alike) or absolute (in seconds: long prefill steps count most)")
@@ -160,7 +164,7 @@ def fit_and_predict(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    fitted = fit_step_files(args.steps, args.weighting) if args.steps else fit_and_predict(args)
+    fitted = fit_step_files(args.steps, args.weighting, not args.no_per_chunk) if args.steps else fit_and_predict(args)
     shown = {k: f"{fitted['cost'][k]:.3g}" for k in (*TIME_CONSTANTS, "host_bandwidth", "storage_bandwidth")}
     print(f"fitted on {fitted['fit_steps']} steps:", shown)
     errors = fitted["step_errors"]

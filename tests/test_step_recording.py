@@ -193,6 +193,10 @@ def test_cost_fit_fits_step_files_into_a_file_the_simulator_reads(tmp_path):
         assert getattr(loaded, name) == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-9)
     assert got["step_errors"]["max_abs_error"] < 1e-6 and got["copies"]["loaded_tokens"] > 0
     assert [s["steps"] for s in got["sources"]] == [40, len(records) - 40]
+    assert set(got["step_errors"]["by_class"]) <= {"decode", "prefill <64", "prefill 64-1023", "prefill 1024+"}
+    plain = cost_fit.main(["--steps", *map(str, paths), "--no-per-chunk", "--out", str(tmp_path / "fit0")])
+    assert plain["cost"]["prefill_per_seq"] == 0.0 and plain["per_chunk"] is False
+    assert plain["step_errors"]["max_abs_error"] > 1e-3  # the chunks' seconds land on the other constants
     other = tmp_path / "c.jsonl"
     StepWriter(other, 1024, {}).close()
     with pytest.raises(ValueError, match="different KV bytes per token"):
