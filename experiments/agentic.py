@@ -16,24 +16,19 @@ closed-loop streams with their recorded pauses) in four parts (``--parts``):
   baselines, ``belady`` the clairvoyant eviction), on the device alone and over a host tier of
   ``--session-host-ratios`` x the device (``write_back``); each row also gives the sessions' time in
   service (the sum over a session's requests of finish less ready) and the host traffic.
-* a main agent's request waits for the sub-agents the trace shows it waited for (``agentic``'s
-  ``wait_for_sub_agents``; ``--no-sub-agent-waits``: its recorded pause alone).
-* every replica prefills as vLLM and SGLang do on these GPUs: at most ``--chunked-prefill-size`` tokens a step
-  (8,192), a long prompt in chunks across steps while the others decode (0: each prompt whole in one step);
-  a capacity must fit the cost preset's node (``radixkv.gpu_memory``), or be forced and marked ``infeasible``.
+* defaults as the engines': a main agent waits for the sub-agents the trace shows it waited for
+  (``--no-sub-agent-waits``: not); at most ``--chunked-prefill-size`` (8,192) prefill tokens a step, as vLLM
+  and SGLang; a capacity must fit the preset's node (``radixkv.gpu_memory``) or be forced (``infeasible``).
 * each row also splits the tokens an unlimited cache would have hit and this one missed by what the
   request waited for: a tool call (``tool_use``), a human turn (``end_turn``), an unrecorded stop, or
   nothing (a stream's first request); and gives each session's time in service (its last answer's end
   less its start), mean and p50.
 
-One JSON line per configuration in ``OUT/agentic.jsonl`` with its full config and the commit it ran
-(``git_commit``, ``git_dirty``). OUT must hold no rows unless ``--resume`` is given, which runs only the
-configurations missing from it (so the grid can be run a part at a time); the tables and figures show every
-row of the file, and the tables' first line names the commits they come from. Configurations run as Ray
-tasks of one CPU where Ray is installed (``--no-ray``, or no Ray: here, in turn). Also ``OUT/config.json``,
-``OUT/tables.md`` (as printed) and the figures ``OUT/hit_rate_vs_capacity.png``,
-``OUT/ttft_vs_capacity.png`` and ``OUT/sessions_ttft_vs_capacity.png``. A full replay takes about a minute
-at 2M tokens on one core; the default grid is hundreds of them (hours): pass subsets of the flags.
+One JSON line per configuration in ``OUT/agentic.jsonl``, with its config and commit (``git_commit``,
+``git_dirty``); OUT must hold no rows unless ``--resume`` (then only the missing configurations run); the
+tables (``OUT/tables.md``, first line: the commits) and figures (``OUT/*_vs_capacity.png``) show every row.
+Configurations run as Ray tasks of one CPU where Ray is installed (``--no-ray``, or no Ray: here, in turn).
+One replay took about a minute (2M tokens, whole prompts, one core); the default grid is hours: pass subsets.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import sweep
-from experiments.common import environment, names_from, parser, run_cli, save_figure, table, write_rows
+from experiments.common import environment, names_from, parser, run_cli, save_figure
 from radixkv.bounds import upper_bound
 from radixkv.cache.eviction import POLICIES as ONLINE
 from radixkv.cache.tiered import WRITE_POLICIES
@@ -457,25 +452,6 @@ def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------- main
 
-def engine_part(args, out: Path) -> list[dict]:
-    """``--engine``: the slice through the engine and the simulator's prediction, ``OUT/engine.jsonl``."""
-    from experiments.agentic_engine import engine_slice
-
-    requests = agentic(args.trace, concurrency=1, seed=args.seed, sessions=args.engine_sessions, split=args.split)
-    rows = engine_slice(requests, args.model, args.engine_sessions, args.engine_max_prompt, args.engine_requests,
-                        args.engine_kv_tokens)
-    rows = [{**r, "config": {k: getattr(args, k) for k in ("trace", "seed", "model", "engine_sessions",
-                                                            "engine_requests", "engine_max_prompt",
-                                                            "engine_kv_tokens")}} for r in rows]
-    path = write_rows(out / "engine", rows)
-    agree = sum(r["equal"] for r in rows)
-    print(table(rows, ["rid", "session", "stream", "prompt_len", "engine_hit", "simulator_hit", "equal"]))
-    print(f"the simulator predicts {agree} of {len(rows)} requests' hits exactly "
-          f"(engine hit rate {sum(r['engine_hit'] for r in rows) / max(sum(r['prompt_len'] for r in rows), 1):.3f}); "
-          f"wrote {path}")
-    return rows
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     configs = grid(args)
@@ -486,6 +462,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     out.mkdir(parents=True, exist_ok=True)
     if args.engine:
+        from experiments.agentic_engine import engine_part
+
         return engine_part(args, out)
     path = out / RESULTS
     sweep.fresh_results(path, args.resume)

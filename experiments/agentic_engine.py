@@ -13,12 +13,15 @@ budgets (``preemption=True``: memory grows as the engine's does); it predicts ea
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
+from experiments.common import table, write_rows
 from radixkv import LLM, SamplingParams
 from radixkv.sim import simulate
 from radixkv.workloads import Request
+from radixkv.workloads import agentic as agentic_workload
 
 
 def scaled_requests(requests: list[Request], vocab: int, max_prompt: int, per_session: int) -> list[Request]:
@@ -101,3 +104,21 @@ def engine_slice(requests: list[Request], model: str, sessions: int, max_prompt:
              "engine_hit": e, "simulator_hit": s, "equal": e == s, "model": model,
              "kv_cache_tokens": cfg.kv_cache_tokens}
             for r, e, s in zip(scaled, engine_hits, sim_hits, strict=True)]
+
+
+def engine_part(args, out: Path) -> list[dict]:
+    """``--engine``: the slice through the engine and the simulator's prediction, ``OUT/engine.jsonl``."""
+    requests = agentic_workload(args.trace, concurrency=1, seed=args.seed, sessions=args.engine_sessions,
+                                split=args.split)
+    rows = engine_slice(requests, args.model, args.engine_sessions, args.engine_max_prompt, args.engine_requests,
+                        args.engine_kv_tokens)
+    rows = [{**r, "config": {k: getattr(args, k) for k in ("trace", "seed", "model", "engine_sessions",
+                                                            "engine_requests", "engine_max_prompt",
+                                                            "engine_kv_tokens")}} for r in rows]
+    path = write_rows(out / "engine", rows)
+    agree = sum(r["equal"] for r in rows)
+    print(table(rows, ["rid", "session", "stream", "prompt_len", "engine_hit", "simulator_hit", "equal"]))
+    print(f"the simulator predicts {agree} of {len(rows)} requests' hits exactly "
+          f"(engine hit rate {sum(r['engine_hit'] for r in rows) / max(sum(r['prompt_len'] for r in rows), 1):.3f}); "
+          f"wrote {path}")
+    return rows
