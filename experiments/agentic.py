@@ -54,6 +54,7 @@ from radixkv.gpu_memory import check_capacity
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.sim.cluster import cluster_references
+from radixkv.sim.metrics import completions
 from radixkv.workloads import SPLITS, Request, agentic
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
@@ -139,27 +140,25 @@ def grid(args) -> list[dict]:
                     **({} if args.no_sub_agent_waits else {"sub_agent_waits": True}),
                     "page_size": PAGE, "replicas": 1, "router": None, "host_ratio": 0.0, "write_policy": None}
             for cap in caps:
-                if not check_capacity(preset, cap, args.force_capacity):  # forced past the node's HBM: say so
-                    base = {**base, "infeasible": True}
-                else:
-                    base.pop("infeasible", None)
+                at = {**base, "capacity_tokens": cap}  # forced past the node's HBM: the row says so
+                if not check_capacity(preset, cap, args.force_capacity):
+                    at["infeasible"] = True
                 if "capacity" in parts:
                     for cache in names_from(args.caches, ("radix", "hash"), "--caches"):
                         for policy in names_from(args.policies, POLICIES, "--policies"):
                             if policy != "belady" or cache == "radix":
-                                out.append({**base, "part": "capacity", "capacity_tokens": cap, "cache": cache,
-                                            "eviction_policy": policy})
+                                out.append({**at, "part": "capacity", "cache": cache, "eviction_policy": policy})
                 if "tiers" in parts:
                     for write in names_from(args.write_policies, WRITE_POLICIES, "--write-policies"):
-                        out.append({**base, "part": "tiers", "capacity_tokens": cap, "cache": "radix",
-                                    "eviction_policy": "lru", "host_ratio": args.host_ratio, "write_policy": write})
+                        out.append({**at, "part": "tiers", "cache": "radix", "eviction_policy": "lru",
+                                    "host_ratio": args.host_ratio, "write_policy": write})
                 if "routers" in parts:
-                    shape = {**base, "part": "routers", "capacity_tokens": cap, "cache": "radix",
-                             "eviction_policy": "lru", "replicas": args.replicas}
+                    shape = {**at, "part": "routers", "cache": "radix", "eviction_policy": "lru",
+                             "replicas": args.replicas}
                     out.append({**shape, "router": "references"})
                     out += [{**shape, "router": r} for r in names_from(args.routers, ROUTERS, "--routers")]
                 if "sessions" in parts:
-                    out += session_configs(args, {**base, "capacity_tokens": cap})
+                    out += session_configs(args, at)
     return sorted(out, key=lambda c: (c["capacity_tokens"], c["eviction_policy"] == "belady"))
 
 
@@ -235,14 +234,12 @@ def misses(rows: list[dict]) -> dict:
 def sessions(rows: list[dict]) -> dict:
     """Each session's span (its last answer's end less its first request's send), mean and p50, and its
     time in service (the sum over its requests of finish less ready: waiting and being served), mean."""
-    span: dict[str, list[float]] = {}
     service: dict[str, float] = {}
     for r in rows:
         if not r["rejected"]:
-            lo, hi = span.setdefault(r["session"], [math.inf, -math.inf])
-            span[r["session"]] = [min(lo, r["ready"]), max(hi, r["finish"])]
             service[r["session"]] = service.get(r["session"], 0.0) + r["finish"] - r["ready"]
-    times = np.array([hi - lo for lo, hi in span.values()]) if span else np.zeros(1)
+    span = completions(rows)
+    times = np.array(list(span.values())) if span else np.zeros(1)
     return {"session_time_mean": float(times.mean()), "session_time_p50": float(np.median(times)),
             "service_time_mean": float(np.mean(list(service.values()))) if service else 0.0}
 
@@ -321,9 +318,8 @@ def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
              "| device tokens | " + " | ".join(policies) + " |", "| ---: |" + " ---: |" * len(policies)]
     for c in caps:
         rejected = max(r["rejected"] for r in rows if r["config"]["capacity_tokens"] == c)
-        infeasible = any(r["config"].get("infeasible") for r in rows if r["config"]["capacity_tokens"] == c)
-        lines.append(f"| {c / 1e6:g}M{' infeasible' if infeasible else ''}"
-                     f"{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
+        config = next(r["config"] for r in rows if r["config"]["capacity_tokens"] == c)
+        lines.append(f"| {_device(config)}{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
             f"{cell[c, p]['hit_rate']:.3f} ({cell[c, p]['ttft_mean']:.2f}, {cell[c, p]['ttft_p99']:.1f})"
             if (c, p) in cell else "" for p in policies) + " |")
     lru = [cell[c, "lru"] for c in caps if (c, "lru") in cell]

@@ -39,13 +39,14 @@ def compare(name: str, measured: str | Path, predicted: str | Path) -> dict:
     ``measured``: one server replay folder, or several joined by commas (the same configuration in other
     arrival orders, ``--order``): the measured figures are then their mean (``_ci95`` its interval), and
     ``_paired`` gives the simulator's mean over the same orders beside its mean over all of its orders."""
-    runs = [read(folder) for folder in str(measured).split(",")]
+    folders = str(measured).split(",")
+    runs = [read(folder) for folder in folders]
     p_rows, p = read(predicted)
     key = lambda r: (r["session"], r["stream"], r["turn"])  # noqa: E731
     for m_rows, _ in runs:
         if sorted(map(key, m_rows)) != sorted(map(key, p_rows)):
             raise ValueError(f"{name}: {measured} and {predicted} replayed different requests")
-    measured_orders = [_order(folder) for folder in str(measured).split(",")]
+    measured_orders = [_order(folder) for folder in folders]
     orders = p.get("orders", {})
     first = runs[0][1]
     row = {"config": name, "requests": first["finished"], "failed": first["requests"] - first["finished"],

@@ -183,7 +183,8 @@ class _Layout:
         last: dict[int, int] = {}  # stream -> index in ``out`` of its latest request
         main: list[int] = []  # indices of the main agent's requests, in order
         turns: dict[int, int] = {}
-        final = {row["stream"]: row["t"] for row in rows}  # stream -> its last request's t (times never go back)
+        # stream -> its last request's t (times never go back); only sub-agent waits read it
+        final = {row["stream"]: row["t"] for row in rows} if self.wait_for_sub_agents else {}
         for row in sorted(rows, key=lambda r: r["t"]):  # stable: a stream's own order stays
             stream = row["stream"]
             parent, pause = self._parent(row, out, last, main)
