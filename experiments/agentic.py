@@ -13,12 +13,20 @@ closed-loop streams with their recorded pauses) in four parts (``--parts``):
   replica's capacity), with the pooled references (one cache of all the memory, LRU and Belady).
 * ``sessions``: one replica, radix LRU against what knows the session (``--session-configs``, each a schedule
   policy and an eviction policy: ``SESSION_CONFIGS``; ``ttl`` at 5 minutes and 1 hour are the production
-  baselines, ``belady`` the clairvoyant eviction), on the device alone and over a host tier of
-  ``--session-host-ratios`` x the device (``write_back``); each row also gives the sessions' time in
+  baselines, ``belady`` the clairvoyant eviction; ``continuum``, ``kvflow`` and ``infercept`` those papers'
+  own rules: ``radixkv.scheduling.continuum``, ``radixkv.cache.eviction.kvflow``,
+  ``radixkv.scheduling.infercept``), on the device alone and over a host tier of ``--session-host-ratios``
+  x the device (``write_back``); each row also gives the sessions' time in
   service (the sum over a session's requests of finish less ready) and the host traffic.
 * defaults as the engines': a main agent waits for the sub-agents the trace shows it waited for
   (``--no-sub-agent-waits``: not); at most ``--chunked-prefill-size`` (8,192) prefill tokens a step, as vLLM
   and SGLang; a capacity must fit the preset's node (``radixkv.gpu_memory``) or be forced (``infeasible``).
+* every configuration runs in ``--orders`` arrival orders (5; ``radixkv.workloads.agentic_scaled.reordered``),
+  and each workload and order once more under an unlimited cache (part ``reference``, LRU + FCFS), which
+  each row's session slowdowns are against; the tables (``experiments.agentic_tables``) give each metric's
+  mean and 95% interval over the orders, with per-session completion, slowdown, first-request TTFT, the
+  longest wait and Jain's fairness over the slowdowns beside TTFT, and call a configuration better than LRU
+  only where the orders' paired differences separate from zero.
 * each row also splits the tokens an unlimited cache would have hit and this one missed by what the
   request waited for: a tool call (``tool_use``), a human turn (``end_turn``), an unrecorded stop, or
   nothing (a stream's first request); and gives each session's time in service (its last answer's end
@@ -26,7 +34,8 @@ closed-loop streams with their recorded pauses) in four parts (``--parts``):
 
 One JSON line per configuration in ``OUT/agentic.jsonl``, with its config and commit (``git_commit``,
 ``git_dirty``); OUT must hold no rows unless ``--resume`` (then only the missing configurations run); the
-tables (``OUT/tables.md``, first line: the commits) and figures (``OUT/*_vs_capacity.png``) show every row.
+tables (``OUT/tables.md``, first line: the commits) and figures (``OUT/*_vs_capacity.png``) show every row,
+folded over its orders.
 Configurations run as Ray tasks of one CPU where Ray is installed (``--no-ray``, or no Ray: here, in turn).
 One replay took about a minute (2M tokens, whole prompts, one core); the default grid is hours: pass subsets.
 """
@@ -44,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import sweep
-from experiments.common import environment, names_from, parser, run_cli, save_figure
+from experiments.common import environment, names_from, parser, run_cli
 from radixkv.bounds import upper_bound
 from radixkv.cache.eviction import POLICIES as ONLINE
 from radixkv.cache.tiered import WRITE_POLICIES
@@ -54,13 +63,16 @@ from radixkv.gpu_memory import check_capacity
 from radixkv.routing import ROUTERS
 from radixkv.sim import simulate, simulate_cluster
 from radixkv.sim.cluster import cluster_references
-from radixkv.sim.metrics import completions
+from radixkv.sim.metrics import agent_metrics, completions
+from radixkv.sim.served import belady_on_served_order
 from radixkv.workloads import SPLITS, Request, agentic
+from radixkv.workloads.agentic_scaled import reordered
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic" / "sessions.jsonl"
 RESULTS = "agentic.jsonl"
 PAGE = 64
 PARTS = ("capacity", "tiers", "routers", "sessions")
+REFERENCE = "reference"  # the part of the unlimited-cache rows each workload and order's slowdowns are against
 AFTER = ("tool_use", "end_turn", "", None)  # what a request waited for (its parent's stop; None: nothing)
 POLICIES = (*ONLINE, "belady")  # belady: the clairvoyant reference (radix only)
 # part sessions: label -> (schedule policy, eviction policy, its parameters)
@@ -72,10 +84,16 @@ SESSION_CONFIGS = {
     "session+lru": ("session", "lru", None),
     "session": ("session", "session", None),
     "session+prefetch": ("session", "session", None),  # and KVFlow's prefetch from the host (over one only)
+    "continuum": ("continuum", "continuum", None),  # Continuum's tool-call TTL and program-level FCFS
+    "kvflow": ("fcfs", "kvflow", None),  # KVFlow's steps-to-execution eviction, and its prefetch over a host tier
+    "infercept": ("infercept", "infercept", None),  # InferCept's min-waste preserve / discard / swap
     "learned": ("fcfs", "learned", None),  # fed the stop reason, depth and context length
-    "oracle": ("session-oracle", "belady", None),  # knows every future request and pause (device alone)
+    # knows every future request and pause, and evicts by Belady on the order it served (device alone;
+    # radixkv.sim.served: a fixed point, or the last of its rounds; not a bound)
+    "oracle": ("session-oracle", "belady", {"order": "served"}),
 }
-PREFETCHING = ("session+prefetch",)  # labels whose rows prefetch (radixkv.scheduling.prefetch)
+PREFETCHING = ("session+prefetch",)  # labels whose rows prefetch (radixkv.scheduling.prefetch), over a host only
+PREFETCH_OVER_HOST = ("kvflow",)  # labels that run on the device alone too, and prefetch over a host tier
 
 
 def parse_args(argv: list[str] | None):
@@ -90,6 +108,9 @@ def parse_args(argv: list[str] | None):
                    "alone, as before (default: it also waits for the sub-agents the trace shows it waited for)")
     p.add_argument("--force-capacity", action="store_true", help="run capacities past the node's memory too; their "
                    "rows say infeasible")
+    p.add_argument("--orders", type=int, default=5, help="arrival orders of the same sessions (their start times "
+                   "dealt in a seeded shuffle: radixkv.workloads.agentic_scaled.reordered; 0 is --seed's own): every "
+                   "configuration runs in each, and the tables give each metric's mean and 95%% interval over them")
     p.add_argument("--concurrency", default="16,64", help="active sessions (in all, for the routers' part)")
     p.add_argument("--cost-presets", default="llama3-70b-8xh100", help="the simulator's cost models")
     p.add_argument("--caches", default="radix,hash", help="part capacity's caches")
@@ -131,6 +152,8 @@ def grid(args) -> list[dict]:
     caps = [int(float(c) * 1e6) for c in args.capacities.split(",")]
     concs = [float(c) for c in args.concurrency.split(",")]
     presets = names_from(args.cost_presets, sorted(COST_PRESETS), "--cost-presets")
+    if args.orders < 1:
+        raise ValueError(f"--orders must be at least 1, got {args.orders}")
     out: list[dict] = []
     for conc in concs:
         for preset in presets:
@@ -139,6 +162,8 @@ def grid(args) -> list[dict]:
                     "chunked_prefill_size": args.chunked_prefill_size or None,
                     **({} if args.no_sub_agent_waits else {"sub_agent_waits": True}),
                     "page_size": PAGE, "replicas": 1, "router": None, "host_ratio": 0.0, "write_policy": None}
+            # every workload's sessions under an unlimited cache, LRU and FCFS: what slowdowns are against
+            out.append({**base, "part": REFERENCE, "cache": "radix", "eviction_policy": "lru", "capacity_tokens": None})
             for cap in caps:
                 at = {**base, "capacity_tokens": cap}  # forced past the node's HBM: the row says so
                 if not check_capacity(preset, cap, args.force_capacity):
@@ -159,15 +184,17 @@ def grid(args) -> list[dict]:
                     out += [{**shape, "router": r} for r in names_from(args.routers, ROUTERS, "--routers")]
                 if "sessions" in parts:
                     out += session_configs(args, at)
-    return sorted(out, key=lambda c: (c["capacity_tokens"], c["eviction_policy"] == "belady"))
+    out = [{**c, "order": order} for order in range(args.orders) for c in out]
+    return sorted(out, key=lambda c: (c["order"], c["capacity_tokens"] or math.inf, c["eviction_policy"] == "belady"))
 
 
 def session_configs(args, base: dict) -> list[dict]:
     """Part sessions at one capacity: each configuration of ``--session-configs`` at each host ratio, over a
     host tier under each of ``--session-write-policies`` and ``--session-host-layouts`` (``belady`` on the
     device alone: the reference eviction, not a tiered one; ``PREFETCHING`` labels over a host tier only: a
-    prefetch loads from one). A row names its layout where it is not ``prefix``, and its prefetch where it
-    has one (rows from before the layouts and the prefetch keep their keys)."""
+    prefetch loads from one; ``PREFETCH_OVER_HOST`` labels everywhere, prefetching over a host tier). A row
+    names its layout where it is not ``prefix``, and its prefetch where it has one (rows from before the
+    layouts and the prefetch keep their keys)."""
     out = []
     labels = names_from(args.session_configs, tuple(SESSION_CONFIGS), "--session-configs")
     writes = names_from(args.session_write_policies, WRITE_POLICIES, "--session-write-policies")
@@ -176,8 +203,8 @@ def session_configs(args, base: dict) -> list[dict]:
         tiers = itertools.product(writes, layouts) if ratio else [(None, "prefix")]
         for (write, layout), label in itertools.product(tiers, labels):
             schedule, policy, params = SESSION_CONFIGS[label]
-            prefetch = label in PREFETCHING
-            if (policy != "belady" or not ratio) and (ratio or not prefetch):
+            prefetch = label in PREFETCHING or (label in PREFETCH_OVER_HOST and ratio > 0)
+            if (policy != "belady" or not ratio) and (ratio or label not in PREFETCHING):
                 out.append({**base, "part": "sessions", "cache": "radix", "label": label, "schedule_policy": schedule,
                             "eviction_policy": policy, "eviction_params": params, "host_ratio": ratio,
                             "write_policy": write, **({"host_layout": layout} if layout != "prefix" else {}),
@@ -204,8 +231,13 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
                                                                  "radix", PAGE, PAGE), **common)
         rows = [row for rep in res.replicas for row in rep.per_request]
         learned = {}
+    elif (config.get("eviction_params") or {}).get("order") == "served":  # Belady on the order served
+        common = {k: v for k, v in common.items() if k != "cache"}
+        res, found = belady_on_served_order(requests, schedule_policy=config.get("schedule_policy", "fcfs"),
+                                            **common)
+        rows, learned = res.per_request, {f"served_{k}": v for k, v in found.items()}
     else:
-        host = int(config["host_ratio"] * config["capacity_tokens"]) or None
+        host = int(config["host_ratio"] * (config["capacity_tokens"] or 0)) or None
         res = simulate(requests, eviction_policy=config["eviction_policy"], host_capacity_tokens=host,
                        write_policy=config["write_policy"] or "write_through",
                        schedule_policy=config.get("schedule_policy", "fcfs"),
@@ -217,6 +249,7 @@ def run_one(requests: Sequence[Request], config: dict) -> dict:
         learned = {k: res.config[k] for k in ("eviction", "prefetcher") if k in res.config}
     return {"key": sweep.key(config), "config": config, **res.summary(), **misses(rows), **sessions(rows),
             **learned, "seconds": time.perf_counter() - t0}
+
 
 
 def misses(rows: list[dict]) -> dict:
@@ -240,210 +273,10 @@ def sessions(rows: list[dict]) -> dict:
             service[r["session"]] = service.get(r["session"], 0.0) + r["finish"] - r["ready"]
     span = completions(rows)
     times = np.array(list(span.values())) if span else np.zeros(1)
+    agents = {k: v for k, v in agent_metrics(rows).items() if not k.startswith(("slowdown", "jain", "ttft"))}
     return {"session_time_mean": float(times.mean()), "session_time_p50": float(np.median(times)),
-            "service_time_mean": float(np.mean(list(service.values()))) if service else 0.0}
-
-
-# ---------------------------------------------------------------------------------------------- tables
-
-def tables(rows: list[dict], bound: float) -> str:
-    """The headline table (capacity x policy at 16 sessions, llama3-70b-8xh100, radix), the cliff per
-    concurrency, where LRU falls furthest below the bound and which misses cause it, then the other parts."""
-    out = [sweep.commits_line(rows), "", f"Upper bound (unlimited memory, every request in order): {bound:.4f}", ""]
-    cap_rows = [r for r in rows if r["config"]["part"] == "capacity"]
-    for conc in sorted({r["config"]["concurrency"] for r in cap_rows}):
-        for preset in sorted({r["config"]["cost_preset"] for r in cap_rows}):
-            for cache in ("radix", "hash"):
-                sel = [r for r in cap_rows if (r["config"]["concurrency"], r["config"]["cost_preset"],
-                                               r["config"]["cache"]) == (conc, preset, cache)]
-                if sel:
-                    out += capacity_table(sel, f"{cache}, {conc:g} active sessions, {preset}", bound)
-    for part in ("tiers", "routers"):
-        sel = [r for r in rows if r["config"]["part"] == part]
-        if sel:
-            out += part_table(sel, part)
-    sel = [r for r in rows if r["config"]["part"] == "sessions"]
-    if sel:
-        out += session_table(sel)
-    return "\n".join(out).rstrip()
-
-
-def session_table(rows: list[dict]) -> list[str]:
-    """Part sessions: per capacity, concurrency and host tier, every configuration."""
-    lines = ["### sessions", "", "| device tokens | host tokens | concurrency | configuration | hit rate | TTFT mean | "
-             "TTFT p99 | time in service per session (s) | host loaded / written (M tokens) |",
-             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    order = list(SESSION_CONFIGS)
-    for r in sorted(rows, key=lambda r: (r["config"]["concurrency"], r["config"]["capacity_tokens"],
-                                         r["config"]["host_ratio"], _write(r["config"]),
-                                         order.index(r["config"]["label"]))):
-        c = r["config"]
-        host = c["host_ratio"] * c["capacity_tokens"]
-        lines.append(f"| {_device(c)} | {f'{host / 1e6:g}M{_write(c)}' if host else '-'} | "
-                     f"{c['concurrency']:g} | {c['label']} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | "
-                     f"{r['ttft_p99']:.1f} | {r['service_time_mean']:.0f} | "
-                     f"{r['loaded_tokens'] / 1e6:.0f} / {r['written_tokens'] / 1e6:.0f} |")
-    learned = [r for r in rows if "learned_hold_main" in (r.get("eviction") or {})]
-    if learned:
-        lines += ["", "Tool-call holds the session eviction policy learned (device tier, at the end; main agent / "
-                  "sub-agents, seconds): " + "; ".join(
-                      f"{r['config']['capacity_tokens'] / 1e6:g}M"
-                      f"{' + host' + _write(r['config']) if r['config']['host_ratio'] else ''} "
-                      f"at {r['config']['concurrency']:g}: {r['eviction']['learned_hold_main']:.1f} / "
-                      f"{r['eviction']['learned_hold_sub']:.1f}" for r in learned) + "."]
-    return [*lines, ""]
-
-
-def _write(config: dict) -> str:
-    """A sessions row's host tier where it is not the default, ``write_back`` over a ``prefix`` layout:
-    " (write_through)", " (segments)", " (write_through, segments)", else ""."""
-    write = config.get("write_policy")
-    tags = [write] if write not in (None, "write_back") else []
-    tags += [config["host_layout"]] if config.get("host_layout", "prefix") != "prefix" else []
-    return f" ({', '.join(tags)})" if tags else ""
-
-
-def _device(config: dict) -> str:
-    """A row's device capacity as the tables show it: millions of tokens, ``infeasible`` where it was forced
-    past its node's memory (``--force-capacity``)."""
-    return f"{config['capacity_tokens'] / 1e6:g}M" + (" infeasible" if config.get("infeasible") else "")
-
-
-def capacity_table(rows: list[dict], title: str, bound: float) -> list[str]:
-    caps = sorted({r["config"]["capacity_tokens"] for r in rows})
-    policies = [p for p in POLICIES if any(r["config"]["eviction_policy"] == p for r in rows)]
-    cell = {(r["config"]["capacity_tokens"], r["config"]["eviction_policy"]): r for r in rows}
-    lines = [f"### {title}", "", f"hit rate (mean TTFT s, p99 TTFT s); upper bound {bound:.3f}. A request whose "
-             "prompt and answer exceed the device is rejected (counted beside the capacity, not in the rates).", "",
-             "| device tokens | " + " | ".join(policies) + " |", "| ---: |" + " ---: |" * len(policies)]
-    for c in caps:
-        rejected = max(r["rejected"] for r in rows if r["config"]["capacity_tokens"] == c)
-        config = next(r["config"] for r in rows if r["config"]["capacity_tokens"] == c)
-        lines.append(f"| {_device(config)}{f' ({rejected} rejected)' if rejected else ''} | " + " | ".join(
-            f"{cell[c, p]['hit_rate']:.3f} ({cell[c, p]['ttft_mean']:.2f}, {cell[c, p]['ttft_p99']:.1f})"
-            if (c, p) in cell else "" for p in policies) + " |")
-    lru = [cell[c, "lru"] for c in caps if (c, "lru") in cell]
-    if lru:
-        worst = max(lru, key=lambda r: bound - r["hit_rate"])
-        by = worst["missed_by_after"]
-        lines += ["", f"LRU falls furthest below the bound at {worst['config']['capacity_tokens'] / 1e6:g}M: "
-                  f"{worst['hit_rate']:.3f} against {bound:.3f}; the missed reusable tokens "
-                  f"({worst['missed_reusable']:.3f} of prompt tokens) follow a tool call {by['tool_use']:.3f}, "
-                  f"a human turn {by['end_turn']:.3f}, an unrecorded stop {by['']:.3f}, nothing (a stream's "
-                  f"first request) {by['None']:.3f}.", cliff(lru)]
-    return [*lines, ""]
-
-
-def cliff(lru: list[dict]) -> str:
-    """The capacity cliff: the smallest capacity whose mean TTFT is within 2x of the largest capacity's;
-    below it TTFT jumps."""
-    ttft = {r["config"]["capacity_tokens"]: r["ttft_mean"] for r in lru}
-    caps = sorted(ttft)
-    floor = ttft[caps[-1]]
-    fine = [c for c in caps if ttft[c] <= 2 * floor]
-    edge = min(fine)
-    below = max((c for c in caps if c < edge), default=None)
-    return (f"Capacity cliff (LRU): mean TTFT is within 2x of the largest capacity's ({floor:.2f} s) down to "
-            f"{edge / 1e6:g}M" + ("" if below is None else f"; at {below / 1e6:g}M it is {ttft[below]:.2f} s")
-            + ".")
-
-
-def part_table(rows: list[dict], part: str) -> list[str]:
-    name = "write_policy" if part == "tiers" else "router"
-    lines = [f"### {part}", "", f"| device tokens | concurrency | preset | {name} | hit rate | TTFT mean | TTFT p99 |",
-             "| ---: | ---: | --- | --- | ---: | ---: | ---: |"]
-    for r in sorted(rows, key=lambda r: (r["config"]["capacity_tokens"], r["config"]["concurrency"],
-                                         str(r["config"][name]))):
-        c = r["config"]
-        if c.get("router") == "references":
-            lines.append(f"| {_device(c)} | {c['concurrency']:g} | {c['cost_preset']} | "
-                         f"pooled: lru {r['pooled_lru']:.3f}, belady {r.get('pooled_belady', math.nan):.3f} | "
-                         f"bound {r['upper_bound']:.3f} | | |")
-        else:
-            lines.append(f"| {_device(c)} | {c['concurrency']:g} | {c['cost_preset']} | "
-                         f"{c[name]} | {r['hit_rate']:.3f} | {r['ttft_mean']:.2f} | {r['ttft_p99']:.1f} |")
-    return [*lines, ""]
-
-
-def draw(rows: list[dict], out: Path, bound: float) -> list[Path]:
-    """Hit rate and mean TTFT against capacity per policy, at each concurrency (radix, the first preset)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from experiments.common import log_capacity_axis
-
-    cap_rows = [r for r in rows if r["config"]["part"] == "capacity" and r["config"]["cache"] == "radix"]
-    if not cap_rows:
-        return draw_sessions(rows, out, plt)
-    preset = sorted({r["config"]["cost_preset"] for r in cap_rows})[0]
-    concs = sorted({r["config"]["concurrency"] for r in cap_rows})
-    paths = []
-    for metric, label, name in (("hit_rate", "hit rate", "hit_rate_vs_capacity"),
-                                ("ttft_mean", "mean TTFT (s)", "ttft_vs_capacity")):
-        fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
-        for ax, conc in zip(axes[0], concs, strict=True):
-            sel = [r for r in cap_rows if r["config"]["concurrency"] == conc and r["config"]["cost_preset"] == preset]
-            caps = sorted({r["config"]["capacity_tokens"] for r in sel})
-            for policy in [p for p in POLICIES if any(r["config"]["eviction_policy"] == p for r in sel)]:
-                pts = sorted((r["config"]["capacity_tokens"], r[metric]) for r in sel
-                             if r["config"]["eviction_policy"] == policy)
-                ax.plot([c / 1e6 for c, _ in pts], [v for _, v in pts], marker="o", label=policy,
-                        lw=2.2 if policy in ("lru", "belady") else 1.0)
-            if metric == "hit_rate":
-                ax.axhline(bound, color="k", ls="--", lw=1, label="upper bound")
-            else:
-                ax.set_yscale("log")
-            log_capacity_axis(ax, [c / 1e6 for c in caps], "device tokens per replica (millions)")
-            ax.set_ylabel(label)
-            ax.set_title(f"{conc:g} active sessions, {preset}")
-        axes[0][-1].legend(fontsize=7)
-        paths.append(save_figure(fig, out / name))
-        plt.close(fig)
-    return paths + draw_sessions(rows, out, plt)
-
-
-def draw_sessions(rows: list[dict], out: Path, plt) -> list[Path]:
-    """Part sessions: mean TTFT against device capacity per configuration (device alone, and with a host
-    tier), at each concurrency; LRU with FCFS from part capacity too, so the whole cliff shows."""
-    from experiments.common import log_capacity_axis
-
-    sel = [r for r in rows if r["config"]["part"] == "sessions"]
-    if not sel:
-        return []
-    preset = sel[0]["config"]["cost_preset"]
-    concs = sorted({r["config"]["concurrency"] for r in sel})
-    fig, axes = plt.subplots(len(concs), 1, figsize=(9, 4.5 * len(concs)), squeeze=False)  # stacked: legends beside
-    for ax, conc in zip(axes[:, 0], concs, strict=True):
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            c = r["config"]
-            if (c["concurrency"], c["cost_preset"], c["cache"]) != (conc, preset, "radix"):
-                continue
-            if c["part"] == "capacity" and c["eviction_policy"] == "lru":
-                label = "lru (capacity grid)"
-            elif c["part"] == "sessions":
-                label = c["label"] + (f" + host {c['host_ratio']:g}x{_write(c)}" if c["host_ratio"] else "")
-            else:
-                continue
-            lines.setdefault(label, []).append((c["capacity_tokens"] / 1e6, r["ttft_mean"]))
-        colors = {name: f"C{i}" for i, name in enumerate(SESSION_CONFIGS)} | {"lru (capacity grid)": "k"}
-        for label, pts in sorted(lines.items()):
-            pts.sort()
-            name = label.split(" + ")[0]  # one colour per configuration; dashed with a host tier
-            # dotted: write_through; dash-dotted: segments
-            style = ":" if "write_through" in label else "-." if "segments" in label else "--" if "host" in label \
-                else "-"
-            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label, color=colors[name],
-                    ls=style, lw=2.2 if name.startswith(("lru", "session")) else 1.0)
-        ax.set_yscale("log")
-        log_capacity_axis(ax, sorted({c for pts in lines.values() for c, _ in pts}),
-                          "device tokens per replica (millions)")
-        ax.set_ylabel("mean TTFT (s)")
-        ax.set_title(f"sessions: {conc:g} active, {preset}")
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the plot: many rows
-    return [save_figure(fig, out / "sessions_ttft_vs_capacity")]
+            "service_time_mean": float(np.mean(list(service.values()))) if service else 0.0, **agents,
+            "session_completions": {str(k): v for k, v in span.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -474,19 +307,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         page_size=PAGE)
     done = sweep.read_results(path)
     with contextlib.nullcontext() if args.no_ray else sweep.ray_session(args.ray_address, args.num_cpus) as ray:
-        for conc in sorted({c["concurrency"] for c in configs}):
-            todo = sweep.pending([c for c in configs if c["concurrency"] == conc], done)
+        for conc, order in sorted({(c["concurrency"], c["order"]) for c in configs}):
+            todo = sweep.pending([c for c in configs if (c["concurrency"], c["order"]) == (conc, order)], done)
             if todo:
-                requests = agentic(args.trace, concurrency=conc, seed=args.seed, max_pause=args.max_pause,
-                                   sessions=args.sessions, split=args.split,
-                                   wait_for_sub_agents=not args.no_sub_agent_waits)
-                failures += sweep.execute(requests, todo, path, ray, desc=f"{conc:g} sessions", run=run_one)[1]
+                requests = reordered(agentic(args.trace, concurrency=conc, seed=args.seed, max_pause=args.max_pause,
+                                             sessions=args.sessions, split=args.split,
+                                             wait_for_sub_agents=not args.no_sub_agent_waits), order)
+                failures += sweep.execute(requests, todo, path, ray, desc=f"{conc:g} sessions, order {order}",
+                                          run=run_one)[1]
     rows = sweep.read_results(path)  # the tables and figures show every row in the file, from any invocation
     print(f"ran in {time.perf_counter() - t0:.0f} s; {sum(r['seconds'] for r in rows):.0f} s of runs in the file")
-    text = tables(rows, bound)
+    from experiments.agentic_tables import draw, over_orders, tables, with_slowdowns
+
+    folded = over_orders(with_slowdowns(rows))
+    text = tables(folded, bound, rows)
     print(text)
     (out / "tables.md").write_text(text + "\n")
-    print("wrote", path, *draw(rows, out, bound))
+    print("wrote", path, *draw(folded, out, bound))
     if failures:
         raise SystemExit(f"{len(failures)} configuration(s) failed; rerun the same command to retry them")
     return rows

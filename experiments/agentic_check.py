@@ -8,9 +8,15 @@ configuration's two ``experiments.agentic_online`` folders (one run on a server,
 ``--orders``), joins their rows on (session, stream, turn) and writes a table (``FILE.md``) and the figures
 (``FILE.json``): mean TTFT, p90 TTFT, hit rate and mean session completion, measured (one run, or the mean of
 several arrival orders' runs given comma-separated) against predicted (mean over the orders, with its 95%
-interval; and over the measured runs' own orders, ``_paired``), the relative errors, whether each is within
-the targets (TTFT mean 15%, p90 25%, hit rate 0.02), and the ranking of the configurations by mean TTFT on
-both sides.
+interval; and over the measured runs' own orders, ``_paired``), the errors of both (``_error`` against the
+simulator's mean over all its orders, as the targets are stated; ``_error_paired`` against its mean over the
+measured orders), whether each is within the targets (TTFT mean 15%, p90 25%, hit rate 0.02), and the ranking
+of the configurations by mean TTFT on both sides.
+
+Two rankings can differ only where a side can tell the two configurations apart: ``ranking_pairs`` compares
+every two configurations by their per-order differences in mean TTFT (over the orders both measured, and over
+all the simulator's orders), and calls a pair that the two sides order oppositely a *tie* where neither side's
+95% interval of the difference excludes zero, a *conflict* where one does.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import HelpFormatter, environment, run_cli, table
-from radixkv.sim.metrics import interval
+from radixkv.sim.metrics import interval, separated
 
 TARGETS = {"ttft_mean": 0.15, "ttft_p90": 0.25, "hit_rate": 0.02}  # relative, relative, absolute
 
@@ -55,15 +61,47 @@ def compare(name: str, measured: str | Path, predicted: str | Path) -> dict:
         pred = orders.get(metric, {"mean": p[metric], "ci95": float("nan"), "values": [p[metric]]})
         meas = interval([m[metric] for _, m in runs])
         paired = [pred["values"][o] for o in measured_orders if o < len(pred["values"])]
+        paired_mean = float(np.mean(paired)) if len(paired) == len(runs) else float("nan")
         row |= {f"{metric}_measured": meas["mean"], f"{metric}_measured_ci95": meas["ci95"],
+                f"{metric}_measured_values": meas["values"], f"{metric}_predicted_values": list(pred["values"]),
                 f"{metric}_predicted": pred["mean"], f"{metric}_ci95": pred["ci95"], f"{metric}_order0": p[metric],
-                f"{metric}_predicted_paired": float(np.mean(paired)) if len(paired) == len(runs) else float("nan")}
-        if metric == "hit_rate":
-            row["hit_rate_error"] = pred["mean"] - meas["mean"]
-        else:
-            row[f"{metric}_error"] = pred["mean"] / meas["mean"] - 1
+                f"{metric}_predicted_paired": paired_mean,
+                f"{metric}_error": _error(metric, pred["mean"], meas["mean"]),
+                f"{metric}_error_paired": _error(metric, paired_mean, meas["mean"])}
     row["within"] = all(abs(row[f"{k}_error"]) <= bound for k, bound in TARGETS.items())
+    row["within_paired"] = all(abs(row[f"{k}_error_paired"]) <= bound for k, bound in TARGETS.items())
     return row
+
+
+def _error(metric: str, predicted: float, measured: float) -> float:
+    """The hit rate's error is a difference; the others' are relative."""
+    return predicted - measured if metric == "hit_rate" else predicted / measured - 1
+
+
+def ranking_pairs(rows: list[dict], metric: str = "ttft_mean") -> list[dict]:
+    """Every two configurations compared on both sides by their per-order differences in ``metric``: on the
+    engine over the orders both measured, in the simulator over all its orders (the same orders for the two
+    configurations, so each difference is paired). ``verdict``: ``agree`` where the two sides' mean differences
+    have the same sign, else ``tie`` where neither side's 95% interval of the difference excludes zero (a
+    single measured order has no interval) and ``conflict`` where one does."""
+    zero = {"mean": 0.0, "ci95": 0.0}
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            ma = dict(zip(a["measured_orders"], a[f"{metric}_measured_values"], strict=True))
+            mb = dict(zip(b["measured_orders"], b[f"{metric}_measured_values"], strict=True))
+            common = sorted(set(ma) & set(mb))
+            measured = interval([ma[o] - mb[o] for o in common] if common else
+                                [np.mean(list(ma.values())) - np.mean(list(mb.values()))])
+            pa, pb = a[f"{metric}_predicted_values"], b[f"{metric}_predicted_values"]
+            predicted = interval([x - y for x, y in zip(pa, pb, strict=False)])
+            agree = np.sign(measured["mean"]) == np.sign(predicted["mean"])
+            resolved = separated(measured, zero) or separated(predicted, zero)
+            out.append({"a": a["config"], "b": b["config"], "measured_orders": common,
+                        "measured_difference": measured["mean"], "measured_ci95": measured["ci95"],
+                        "predicted_difference": predicted["mean"], "predicted_ci95": predicted["ci95"],
+                        "verdict": "agree" if agree else ("conflict" if resolved else "tie")})
+    return out
 
 
 def _order(folder: str | Path) -> int:
@@ -107,19 +145,29 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give --pair (one or more) or --overhead")
     rows = [compare(*pair) for pair in args.pair]
     order = {"measured": ranking(rows, "measured"), "predicted": ranking(rows, "predicted")}
+    pairs = ranking_pairs(rows)
     cols = ["config", "requests", "measured_orders", "ttft_mean_measured", "ttft_mean_measured_ci95",
             "ttft_mean_predicted", "ttft_mean_ci95", "ttft_mean_predicted_paired", "ttft_mean_error",
-            "ttft_p90_measured", "ttft_p90_predicted", "ttft_p90_error", "hit_rate_measured", "hit_rate_predicted",
-            "hit_rate_error", "session_completion_mean_measured", "session_completion_mean_predicted", "within"]
-    text = table(rows, cols, {c: ".3g" for c in cols if c not in ("config", "requests", "within", "measured_orders")})
+            "ttft_mean_error_paired", "ttft_p90_measured", "ttft_p90_predicted", "ttft_p90_error",
+            "ttft_p90_error_paired", "hit_rate_measured", "hit_rate_predicted", "hit_rate_error",
+            "hit_rate_error_paired", "session_completion_mean_measured", "session_completion_mean_predicted",
+            "within", "within_paired"]
+    flags = ("config", "requests", "within", "within_paired", "measured_orders")
+    text = table(rows, cols, {c: ".3g" for c in cols if c not in flags})
     same = "the same" if order["measured"] == order["predicted"] else "differs"
     text += (f"\n\nranking by mean TTFT, measured: {', '.join(order['measured'])}; predicted: "
              f"{', '.join(order['predicted'])} ({same})\n")
+    pair_cols = ["a", "b", "measured_orders", "measured_difference", "measured_ci95", "predicted_difference",
+                 "predicted_ci95", "verdict"]
+    text += "\npaired differences in mean TTFT (a less b, seconds):\n\n" + table(
+        pairs, pair_cols, {c: ".3g" for c in pair_cols[3:7]}) + "\n"
+    conflicts = [f"{q['a']} / {q['b']}" for q in pairs if q["verdict"] == "conflict"]
+    text += f"\nranking conflicts: {', '.join(conflicts) if conflicts else 'none'}\n"
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    result = {"rows": rows, "ranking": order, "targets": TARGETS, "env": environment(),
+    result = {"rows": rows, "ranking": order, "ranking_pairs": pairs, "targets": TARGETS, "env": environment(),
               "pairs": [list(map(str, pair)) for pair in args.pair]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     return result

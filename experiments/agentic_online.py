@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=6144,
                    help="scaled prompt units a request may have; a longer one is dropped with what waits on it")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    p.add_argument("--sub-agent-waits", action="store_true", help="a main agent's request also waits for the "
+                   "sub-agents the trace shows it waited for (radixkv.workloads.agentic's wait_for_sub_agents), "
+                   "then its pause after the last of them; the replays in docs/agentic.md ran without")
     p.add_argument("--simulate", default=None, metavar="PRESET_OR_FILE",
                    help="predict the rows with the simulator under this cost model instead of sending requests")
     p.add_argument("--tokenizer", default="smollm2-135m", help="--simulate: the model whose chat template renders")
@@ -130,7 +133,8 @@ def scales(requests: list[Request], server: CostModel) -> dict:
 def build_requests(args: argparse.Namespace) -> tuple[list[Request], dict]:
     """The scaled requests and the scales' check; ``ValueError`` where the scales break similarity."""
     kwargs = dict(sessions=args.sessions, seed=args.seed, split=args.split, concurrency=args.concurrency,
-                  token_scale=args.token_scale, turns=args.turns, max_context=args.max_context)
+                  token_scale=args.token_scale, turns=args.turns, max_context=args.max_context,
+                  wait_for_sub_agents=args.sub_agent_waits)
     server = CostModel.load(args.cost)
     requests = agentic_scaled(args.trace, time_scale=1.0, **kwargs)
     if not requests:
@@ -259,10 +263,19 @@ async def replay(requests: list[Request], args: argparse.Namespace, write, progr
         if r.parent is not None:
             children.setdefault(r.parent, []).append(r)
     start = time.monotonic()
+    waited = {d for r in requests for d in r.after}  # a main agent's sub-agents it waits for
+    ended = {rid: asyncio.get_running_loop().create_future() for rid in waited}
     async with httpx.AsyncClient(timeout=args.request_timeout) as http:
         client = Client(http, args)
 
+        def end(r: Request) -> None:  # what waits for it (a main agent for its sub-agent) may go on
+            if r.rid in ended and not ended[r.rid].done():
+                ended[r.rid].set_result(time.monotonic() - start)
+
         async def run(r: Request, base: Conversation, not_before: float) -> None:
+            if r.after:  # the sub-agents it waited for: its pause runs from the last of them
+                last = max(await asyncio.gather(*(ended[d] for d in r.after)))
+                not_before = max(not_before, last + r.think_time)
             await asyncio.sleep(max(0.0, start + not_before - time.monotonic()))
             conv = base.extend(r.prompt)
             row = {"session": r.session, "stream": r.meta["stream"], "turn": r.meta["turn"], "rid": r.rid,
@@ -272,9 +285,11 @@ async def replay(requests: list[Request], args: argparse.Namespace, write, progr
             except Exception as e:  # a failed request is a row; the stream stops there
                 write(row | {"error": f"{type(e).__name__}: {e}"})
                 progress.update(1 + _descendants(r, children))
+                _end_all(r, children, end)
                 return
             write(row | measured)
             progress.update(1)
+            end(r)
             done = time.monotonic() - start
             after = conv.answered(answer)
             await asyncio.gather(*(run(c, after, max(c.arrival, done + c.think_time)) for c in children.get(r.rid, ())))
@@ -284,6 +299,13 @@ async def replay(requests: list[Request], args: argparse.Namespace, write, progr
 
 def _descendants(r: Request, children: dict[int, list[Request]]) -> int:
     return sum(1 + _descendants(c, children) for c in children.get(r.rid, ()))
+
+
+def _end_all(r: Request, children: dict[int, list[Request]], end) -> None:
+    """A failed request's stream stops: it and what would have followed it end now for whoever waits."""
+    end(r)
+    for c in children.get(r.rid, ()):
+        _end_all(c, children, end)
 
 
 def summary(rows: list[dict]) -> dict:

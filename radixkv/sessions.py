@@ -183,6 +183,11 @@ class Pauses:
         ordered = seen.ordered
         return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
+    def window(self, key: PauseKey) -> list[float]:
+        """The latest pauses of this kind (its aggregate's where the tool's has none), sorted; [] before any."""
+        seen = self._of(key)
+        return [] if seen is None else list(seen.ordered)
+
     def kinds(self) -> Iterable[PauseKey]:
         return self._seen.keys()
 
@@ -204,6 +209,7 @@ class Awaited:
     namespace: Hashable = None
     tie: int = 0
     stale: float = math.inf
+    pin: float | None = None  # what a schedule policy decided of the path left (radixkv.cache.eviction.pins)
 
 
 class Homes:

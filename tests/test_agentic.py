@@ -190,16 +190,18 @@ def test_the_experiment_writes_its_grid_tables_and_figures(small, tmp_path):
     out = tmp_path / "out"
     argv = ["--trace", str(small), "--out", str(out), "--no-ray", "--capacities", "0.001,0.004", "--concurrency",
             "2", "--cost-presets", "llama3-8b-h100", "--policies", "lru,belady", "--routers", "round_robin,affinity",
-            "--replicas", "2", "--write-policies", "write_back"]
+            "--replicas", "2", "--write-policies", "write_back", "--orders", "1"]
     rows = experiment.main(argv)
-    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eight
-    # configurations on the device alone, seven over a host tier in each of the three layouts (belady and
-    # oracle: the device alone; session+prefetch: over a host tier only); per capacity
-    assert len(rows) == 2 * (3 + 1 + 3 + 8 + 7 * 3)
-    assert all(bool(r["config"].get("prefetch")) == (r["config"].get("label") == "session+prefetch") for r in rows)
+    # capacity: radix lru + belady, hash lru; tiers: one; routers: references + two routers; sessions: eleven
+    # configurations on the device alone, ten over a host tier in each of the three layouts (belady and
+    # oracle: the device alone; session+prefetch: over a host tier only); per capacity; and the workload's
+    # unlimited-cache reference
+    assert len(rows) == 2 * (3 + 1 + 3 + 11 + 10 * 3) + 1
+    assert all(bool(r["config"].get("prefetch")) == (r["config"].get("label") == "session+prefetch" or (
+        r["config"].get("label") == "kvflow" and r["config"]["host_ratio"] > 0)) for r in rows)
     for layout in ("segments", "chains"):
         laid = [r for r in rows if r["config"].get("host_layout") == layout]
-        assert len(laid) == 14 and all(r["config"]["host_ratio"] for r in laid)
+        assert len(laid) == 20 and all(r["config"]["host_ratio"] for r in laid)
     learned = next(r for r in rows if r["config"]["part"] == "sessions" and r["config"]["label"] == "session")
     assert learned["eviction"]["name"] == "session" and learned["eviction"]["learned_hold_main"] > 0
     run = next(r for r in rows if r["config"]["eviction_policy"] == "lru" and r["config"]["part"] == "capacity")
@@ -246,13 +248,13 @@ def test_a_capacity_past_the_nodes_memory_is_refused_unless_forced_and_then_mark
     from radixkv.gpu_memory import InfeasibleCapacity
 
     argv = ["--trace", str(small), "--no-ray", "--capacities", "0.001,0.5", "--concurrency", "2", "--cost-presets",
-            "llama3-8b-h100", "--parts", "capacity", "--caches", "radix", "--policies", "lru"]
+            "llama3-8b-h100", "--parts", "capacity", "--caches", "radix", "--policies", "lru", "--orders", "1"]
     with pytest.raises(InfeasibleCapacity, match="426,788 tokens"):  # 1 x 80 GB less 16.1 GB of weights, less 10%
         experiment.main([*argv, "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused" / "agentic.jsonl").exists()
     rows = experiment.main([*argv, "--force-capacity", "--out", str(tmp_path / "forced")])
-    assert {(r["config"]["capacity_tokens"], bool(r["config"].get("infeasible"))) for r in rows} == {
-        (1000, False), (500_000, True)}
+    assert {(r["config"]["capacity_tokens"], bool(r["config"].get("infeasible"))) for r in rows
+            if r["config"]["part"] == "capacity"} == {(1000, False), (500_000, True)}
     assert "| 0.5M infeasible |" in (tmp_path / "forced" / "tables.md").read_text()
 
 
@@ -266,3 +268,60 @@ def test_a_main_agent_waits_for_the_sub_agents_the_trace_shows_it_waited_for(sma
     res = simulate(list(waiting.values()), capacity_tokens=10_000)
     rows = {(r["session"], r["stream"], r["turn"]): r for r in res.per_request}
     assert rows["A", 0, 2]["ready"] == pytest.approx(rows["A", 1, 1]["finish"] + 84.0)
+
+
+def test_every_configuration_runs_in_several_orders_and_the_tables_fold_them_with_agent_metrics(small, tmp_path):
+    from experiments import agentic as experiment
+    from experiments.agentic_tables import over_orders, with_slowdowns
+
+    out = tmp_path / "orders"
+    rows = experiment.main(["--trace", str(small), "--out", str(out), "--no-ray", "--capacities", "0.001",
+                            "--concurrency", "2", "--cost-presets", "llama3-8b-h100", "--parts", "sessions",
+                            "--session-configs", "lru,session", "--session-host-ratios", "0", "--orders", "2"])
+    assert sorted((r["config"]["order"], r["config"]["part"]) for r in rows) == [
+        (o, part) for o in (0, 1) for part in ("reference", "sessions", "sessions")]
+    slowed = with_slowdowns(rows)
+    for r in slowed:
+        assert r["session_completions"] and r["first_ttft_mean"] <= r["longest_wait"]
+        if r["config"]["part"] == "reference":  # against itself
+            assert r["slowdown_mean"] == pytest.approx(1.0) and r["jain_fairness"] == pytest.approx(1.0)
+        else:
+            assert r["slowdown_max"] >= r["slowdown_mean"] > 0 and 0 < r["jain_fairness"] <= 1
+    folded = over_orders(slowed)
+    assert len(folded) == 3 and all(r["orders"] == 2 and len(r["ttft_mean_values"]) == 2 for r in folded)
+    lru = next(r for r in folded if r["config"].get("label") == "lru")
+    assert lru["ttft_mean"] == pytest.approx(np.mean([r["ttft_mean"] for r in rows
+                                                      if r["config"].get("label") == "lru"]))
+    text = (out / "tables.md").read_text()
+    assert "slowdown mean / max" in text and "Jain" in text and " ± " in text and "| session | 2 |" in text
+
+
+def test_one_configuration_beats_another_only_where_the_paired_orders_separate():
+    from experiments.agentic_tables import versus
+
+    a = {"ttft_mean_values": [1.0, 2.0, 3.0]}
+    assert versus(a, {"ttft_mean_values": [1.5, 2.5, 3.5]}) == "lower"  # every order 0.5 s lower
+    assert versus(a, {"ttft_mean_values": [0.5, 2.5, 3.0]}) == "tie"  # -0.5, +0.5, 0: zero inside
+    assert versus({"ttft_mean_values": [1.0]}, {"ttft_mean_values": [2.0]}) == "tie"  # one order resolves nothing
+
+
+def test_another_arrival_order_keeps_the_sub_agent_waits(small):
+    from radixkv.workloads.agentic_scaled import reordered
+
+    waiting = agentic(small, wait_for_sub_agents=True)
+    moved = reordered(waiting, 1)
+    assert sum(bool(r.after) for r in moved) == sum(bool(r.after) for r in waiting) > 0
+    by_rid = {r.rid: r for r in moved}
+    assert all(by_rid[d].arrival <= r.arrival for r in moved for d in r.after)
+
+
+def test_the_scaled_replay_keeps_the_sub_agent_waits_when_asked(small):
+    from radixkv.workloads.agentic_scaled import agentic_scaled
+
+    plain = agentic_scaled(small, token_scale=1 / 64)
+    waiting = agentic_scaled(small, token_scale=1 / 64, wait_for_sub_agents=True)
+    assert not any(r.after for r in plain) and any(r.after for r in waiting)
+    by_rid = {r.rid: r for r in waiting}
+    for r in waiting:
+        for d in r.after:  # an earlier request of the same session, a sub-agent's
+            assert d < r.rid and by_rid[d].session == r.session and by_rid[d].meta["stream"] != 0

@@ -219,5 +219,25 @@ def test_the_check_averages_several_measured_orders_and_pairs_them_with_the_simu
     assert row["measured_orders"] == [0, 2] and row["ttft_mean_measured"] == 2.0
     assert row["ttft_mean_predicted"] == 6.0 and row["ttft_mean_predicted_paired"] == 1.5  # orders 0 and 2
     assert row["ttft_mean_error"] == pytest.approx(2.0) and row["hit_rate_error"] == pytest.approx(4.0)
+    # against the simulator's mean over the measured orders alone: 1.5 predicted for 2.0 measured
+    assert row["ttft_mean_error_paired"] == pytest.approx(-0.25) and row["hit_rate_error_paired"] == pytest.approx(-0.5)
+    assert row["ttft_mean_measured_values"] == [1.0, 3.0] and row["ttft_mean_predicted_values"] == values
     one = agentic_check.compare("lru", m0, p)
     assert one["ttft_mean_measured"] == 1.0 and np.isnan(one["ttft_mean_measured_ci95"])
+
+
+def test_two_rankings_conflict_only_where_a_side_separates_the_pair():
+    def row(name: str, measured: dict[int, float], predicted: list[float]) -> dict:
+        return {"config": name, "measured_orders": list(measured), "ttft_mean_measured_values": list(measured.values()),
+                "ttft_mean_predicted_values": predicted}
+
+    base = row("base", {0: 1.0, 1: 2.0, 2: 3.0}, [1.0, 2.0, 3.0, 4.0, 5.0])
+    close = row("close", {0: 1.01, 1: 1.98, 2: 3.02}, [0.99, 2.01, 2.98, 4.02, 4.99])  # opposite, inside noise
+    far = row("far", {0: 0.5, 1: 1.5, 2: 2.5}, [1.5, 2.5, 3.5, 4.5, 5.5])  # opposite, each side separates
+    verdicts = {(q["a"], q["b"]): q for q in agentic_check.ranking_pairs([base, close, far])}
+    assert verdicts["base", "close"]["verdict"] == "tie" and verdicts["base", "close"]["measured_orders"] == [0, 1, 2]
+    assert verdicts["base", "far"]["verdict"] == "conflict"
+    assert verdicts["base", "far"]["measured_difference"] == pytest.approx(0.5)
+    assert verdicts["base", "far"]["predicted_difference"] == pytest.approx(-0.5)
+    same = row("same", {0: 2.0}, [2.0, 3.0, 4.0, 5.0, 6.0])  # one order: no measured interval, the sim separates
+    assert agentic_check.ranking_pairs([base, same])[0]["verdict"] == "agree"

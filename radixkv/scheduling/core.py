@@ -288,12 +288,14 @@ class Scheduler:
 
     def finish(self, state: RequestState, sequence: Sequence[int]) -> None:
         """A finished request: cache ``sequence`` (its tokens whose KV was computed), free the rest, unlock."""
-        release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
-                         state.node, state.namespace, state.hints)
-        self.running.remove(state)
+        # the book and the policy first: what they decide of the finish (a pin's TTL) is there when the cache
+        # tells its eviction policy of the sequence
         awaited = self.sessions.finished(state.hints, self.clock(), len(sequence))
         if self.follows_sessions:
             self.policy.finished(state, len(sequence))
+        release_sequence(self.cache, self.allocator, sequence, state.slots[: len(sequence)], state.cached,
+                         state.node, state.namespace, state.hints)
+        self.running.remove(state)
         if self.prefetcher is not None and awaited is not None:
             cached = np.asarray(sequence)[: self.cache.cacheable_length(len(sequence))]
             self.prefetcher.finished(awaited, cached, state.namespace)

@@ -12,6 +12,9 @@ and batch limits allow.
   its subtree, and visit the tree depth-first, heavier children first, each
   node's own requests after its subtree's.
 * ``random``: a seeded shuffle.
+* ``session`` and ``session-oracle`` (``radixkv.scheduling.session``), ``continuum``
+  (``radixkv.scheduling.continuum``: Continuum's program-level FCFS and tool-call TTL) and ``infercept``
+  (``radixkv.scheduling.infercept``: InferCept's preserve, discard or swap per tool call): agent sessions.
 
 ``InBatchPrefixSharing`` wraps any policy: of several waiting requests that
 share an uncached prefix of at least ``threshold`` tokens, only the first is
@@ -35,6 +38,8 @@ import numpy as np
 
 from radixkv.cache.base import MatchResult
 from radixkv.cache.radix import RadixCache
+from radixkv.scheduling.continuum import Continuum
+from radixkv.scheduling.infercept import InferCept
 from radixkv.scheduling.session import SessionAware, SessionOracle
 
 
@@ -197,7 +202,8 @@ def admission_order(policy: SchedulePolicy, waiting: Sequence[Candidate],
     return policy.order(waiting, in_flight) if policy.sees_in_flight else policy.order(waiting)
 
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "session", "session-oracle")  # the last knows the future
+# the last knows the future
+POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "session", "continuum", "infercept", "session-oracle")
 
 
 def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, page_size: int = 1) -> SchedulePolicy:
@@ -207,7 +213,8 @@ def make_policy(name: str, seed: int = 0, in_batch_sharing: int | None = None, p
     Unknown names raise ``ValueError``.
     """
     makers = {"fcfs": FCFS, "lpm": LongestPrefixMatch, "dfs-weight": DFSWeight, "random": lambda: RandomOrder(seed),
-              "session": SessionAware, "session-oracle": SessionOracle}
+              "session": SessionAware, "continuum": Continuum, "infercept": InferCept,
+              "session-oracle": SessionOracle}
     if name not in makers:
         raise ValueError(f"unknown schedule policy {name!r}; choose one of {list(POLICIES)}")
     policy = makers[name]()

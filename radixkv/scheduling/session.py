@@ -89,16 +89,20 @@ class SessionAware:
         """The streams held now, by (session, stream): awaited after a tool call, within their hold."""
         return {k: a for k, a in self.sessions.after(Finish.TOOL_CALL).items() if not self._lapsed(k, a, now)}
 
+    def in_service(self, now: float) -> tuple[int, set[Hashable]]:
+        """The device tokens the sessions in service hold (the running requests' slots and the contexts of
+        streams held through a tool call) and those sessions (a request of none is a session of its own)."""
+        held = self.held(now)
+        running: dict[Hashable, int] = {}
+        for s in self.scheduler.running:
+            running[_stream(s)] = running.get(_stream(s), 0) + len(s.slots)
+        committed = sum(running.values()) + sum(a.length for k, a in held.items() if k not in running)
+        return committed, {k[0] for k in running} | {k[0] for k in held}
+
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         """The waiting ``Candidate``s to offer, in order (those left out wait)."""
         now, scheduler = self.scheduler.clock(), self.scheduler
-        held = self.held(now)
-        running: dict[Hashable, int] = {}
-        for s in scheduler.running:
-            running[_stream(s)] = running.get(_stream(s), 0) + len(s.slots)
-        # what running requests hold, and the contexts of streams held through a tool call
-        committed = sum(running.values()) + sum(a.length for k, a in held.items() if k not in running)
-        in_service = {k[0] for k in running} | {k[0] for k in held}  # sessions (a request of none: its own)
+        committed, in_service = self.in_service(now)
         capacity = scheduler.allocator.capacity
         self._forget(waiting, scheduler.running)
         aged = [c for c in waiting if now - self.since.get(c.request.rid, now) >= self.max_wait]

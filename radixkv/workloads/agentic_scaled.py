@@ -64,23 +64,28 @@ def units_of(block_ids: np.ndarray, per_block: Fraction) -> np.ndarray:
 
 def agentic_scaled(path: str | Path, *, sessions: int | None = None, seed: int = 0, split: str | None = None,
                    concurrency: float = 4, token_scale: float = 1 / 32, time_scale: float = 1.0,
-                   turns: int | None = None, max_context: int | None = None) -> list[Request]:
-    """The sessions of ``path`` scaled in tokens and time; see the module doc. ``ValueError`` for a bad file,
-    a bad scale, ``turns`` or ``max_context`` below 1, or ``agentic``'s own bad arguments."""
+                   turns: int | None = None, max_context: int | None = None,
+                   wait_for_sub_agents: bool = False) -> list[Request]:
+    """The sessions of ``path`` scaled in tokens and time; see the module doc. ``wait_for_sub_agents``: a main
+    agent's request also waits for the sub-agents the trace shows it waited for (``agentic``'s; ``after``:
+    those kept). ``ValueError`` for a bad file, a bad scale, ``turns`` or ``max_context`` below 1, or
+    ``agentic``'s own bad arguments."""
     per_block = units_per_block(token_scale)
     if not (is_real(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
     for name, value in (("turns", turns), ("max_context", max_context)):
         if value is not None and not (is_int(value) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-    real = agentic(path, concurrency=concurrency, seed=seed, sessions=sessions, split=split)
+    real = agentic(path, concurrency=concurrency, seed=seed, sessions=sessions, split=split,
+                   wait_for_sub_agents=wait_for_sub_agents)
     kept = _kept(real, turns)
     by_session: dict[object, list[dict]] = {}
     for r in kept:
         by_session.setdefault(r.session, []).append({"t": r.meta["t"], "api_time": r.meta["api_time"]})
     mean = float(np.mean([session_duration(rows) for rows in by_session.values()]))
     rate = concurrency / max(mean, 1e-9)  # sessions per real second over what is kept
-    real = agentic(path, rate=rate, seed=seed, sessions=sessions, split=split)  # same order, new starts
+    real = agentic(path, rate=rate, seed=seed, sessions=sessions, split=split,  # same order, new starts
+                   wait_for_sub_agents=wait_for_sub_agents)
     kept = _kept(real, turns)
     return time_scaled(_scaled(kept, per_block, float(token_scale), max_context), float(time_scale))
 
@@ -120,6 +125,7 @@ def _scaled(requests: list[Request], per_block: Fraction, token_scale: float,
         out.append(Request(arrival=r.arrival, session=r.session, prompt=units,
                            output_len=max(1, round(r.output_len * token_scale)),
                            parent=None if r.parent is None else index[r.parent],
+                           after=tuple(index[d] for d in r.after if d in index),  # those kept
                            think_time=r.think_time, meta=meta))
     return number(out)
 
@@ -137,5 +143,5 @@ def reordered(requests: list[Request], order: int) -> list[Request]:
     dealt = np.random.default_rng(order).permutation(len(names)) if order else np.arange(len(names))
     shift = {s: starts[names[j]] - starts[s] for s, j in zip(names, dealt, strict=True)}
     return number([Request(arrival=r.arrival + shift[r.session], session=r.session, prompt=r.prompt,
-                           output_len=r.output_len, parent=r.parent, think_time=r.think_time, meta=dict(r.meta))
-                   for r in requests])
+                           output_len=r.output_len, parent=r.parent, after=r.after, think_time=r.think_time,
+                           meta=dict(r.meta)) for r in requests])

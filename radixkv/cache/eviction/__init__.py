@@ -19,6 +19,9 @@ tlru       SGLang's T-LRU: entries that cannot help the TTFT tail go first
 cost       GreedyDual-Size-Frequency over the prefill time an entry saves
 learned    an online estimate of each entry's reuse, learned from the cache's own history
 session    an agent session's path: held through a tool call (learned pause), cold after a turn's end
+continuum  Continuum's pins: a tool call's path held for the TTL its ``continuum`` schedule policy chose
+kvflow     KVFlow's steps-to-execution: the path whose stream is next due latest goes first
+infercept  InferCept's preserve / discard / swap per tool call, as its ``infercept`` schedule policy chose
 belady     the clairvoyant reference: farthest next use first; it ``needs_future``, which only the simulator
            has (``make_policy(name, future=FutureUses(...))``)
 =========  ==========================================================================================
@@ -37,6 +40,9 @@ from typing import Any
 from radixkv.cache.eviction.adaptive import ARC, S3FIFO
 from radixkv.cache.eviction.base import CLASSICAL, LRU, SLRU, EvictionPolicy, PriorityPolicy, policy_clock
 from radixkv.cache.eviction.belady import Belady
+from radixkv.cache.eviction.continuum import ContinuumPins
+from radixkv.cache.eviction.infercept import InferCeptRetention
+from radixkv.cache.eviction.kvflow import KVFlow
 from radixkv.cache.eviction.learned import Learned
 from radixkv.cache.eviction.requests import TLRU, TTL, Priority
 from radixkv.cache.eviction.session import SessionRetention
@@ -45,7 +51,8 @@ from radixkv.cache.eviction.value import Cost
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRU,
     **{name: partial(PriorityPolicy, name, priority) for name, priority in CLASSICAL.items()},
-    **{cls.name: cls for cls in (SLRU, ARC, S3FIFO, Priority, TTL, TLRU, Cost, Learned, SessionRetention)},
+    **{cls.name: cls for cls in (SLRU, ARC, S3FIFO, Priority, TTL, TLRU, Cost, Learned, SessionRetention,
+                                 ContinuumPins, KVFlow, InferCeptRetention)},
 }
 # Policies handed the future (``needs_future``): references a simulation can run, never an engine.
 REFERENCES: dict[str, Callable[..., EvictionPolicy]] = {"belady": Belady}
