@@ -12,8 +12,8 @@ import experiments
 from radixkv import serve
 
 # shared code, not commands
-LIBRARIES = ("agentic_engine", "agentic_replay", "agentic_sim", "common", "gpu_floors", "plots", "serve_client",
-             "serve_load")
+LIBRARIES = ("agentic_engine", "agentic_replay", "agentic_sim", "agentic_tables", "common", "gpu_floors", "plots",
+             "serve_client", "serve_load")
 
 
 class _Parsed(Exception):
