@@ -443,7 +443,8 @@ def plot_capacity(rows: list[dict], shown: list[str]):
                                                            and (r["cache"], r["tiers"]) == (c, t) for r in rows)]
     fig = Figure(figsize=(4.2 * len(combos), 3.3 * len(shown)))
     axes = fig.subplots(len(shown), len(combos), squeeze=False)
-    colors = {p: f"C{i}" if i < 10 else ("olive", "teal", "navy", "maroon")[i - 10] for i, p in enumerate(POLICIES)}
+    extra = ("olive", "teal", "navy", "maroon", "gold", "indigo", "sienna", "lime")  # past the ten default colours
+    colors = {p: f"C{i}" if i < 10 else extra[(i - 10) % len(extra)] for i, p in enumerate(POLICIES)}
     for ax_row, w in zip(axes, shown, strict=True):
         mine = [r for r in rows if r["workload_name"] == w]
         for ax, (cache, tiers) in zip(ax_row, combos, strict=True):

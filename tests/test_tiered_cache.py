@@ -450,7 +450,8 @@ def test_host_eviction_frees_other_entries_for_a_write(kind):
     rig.check()
 
 
-EXCLUSIVE_POLICIES = ("lru", "ttl", "session")  # whose orders rank a demoted copy first
+# whose orders rank a demoted copy first (``continuum`` and ``infercept`` are ``session`` with other holds)
+EXCLUSIVE_POLICIES = ("lru", "ttl", "session", "continuum", "infercept")
 
 
 @kinds

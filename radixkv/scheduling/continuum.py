@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.scheduling.session import SessionAware, _key
+from radixkv.scheduling.session import SessionAware, program_of
 from radixkv.sessions import Awaited, Finish, stream_key
 
 RELOAD_PER_TOKEN = 3.57e-5  # seconds to prefill a token: the llama3-70b-8xh100 preset's (radixkv.cost)
@@ -121,8 +121,8 @@ class Continuum(SessionAware):
         if aged:
             return sorted(aged, key=lambda c: c.order)
         offered = []
-        for c in sorted(waiting, key=lambda c: (self.started.get(_key(c.request), now), c.order)):
-            if _key(c.request) in in_service:
+        for c in sorted(waiting, key=lambda c: (self.started.get(program_of(c.request), now), c.order)):
+            if program_of(c.request) in in_service:
                 offered.append(c)  # its context is held: only its new tokens are asked for
             elif committed + len(c.tokens) <= scheduler.allocator.capacity:
                 offered.append(c)

@@ -110,9 +110,9 @@ class SessionAware:
             return sorted(aged, key=lambda c: c.order)
         first, rest = [], []
         for c in sorted(waiting, key=lambda c: c.order):
-            (first if _key(c.request) in in_service else rest).append(c)
-        for c in sorted(rest, key=lambda c: (self.started.get(_key(c.request), self.since.get(c.request.rid, now)),
-                                              c.order)):
+            (first if program_of(c.request) in in_service else rest).append(c)
+        started = lambda c: self.started.get(program_of(c.request), self.since.get(c.request.rid, now))  # noqa: E731
+        for c in sorted(rest, key=lambda c: (started(c), c.order)):
             if committed + len(c.tokens) <= capacity:
                 first.append(c)
                 committed += len(c.tokens)
@@ -133,11 +133,11 @@ class SessionAware:
             self.since = {rid: t for rid, t in self.since.items() if rid in rids}
         awaited = self.sessions.after(Finish.TOOL_CALL)
         if len(self.started) > 2 * (len(live) + len(awaited)) + 1024:
-            keep = {_key(s) for s in live} | {k[0] for k in awaited}
+            keep = {program_of(s) for s in live} | {k[0] for k in awaited}
             self.started = {k: t for k, t in self.started.items() if k in keep}
 
 
-def _key(state: Any) -> Hashable:
+def program_of(state: Any) -> Hashable:
     """A request's session (one of no session is a session of its own)."""
     session = state.hints.session
     return ("request", state.rid) if session is None else session
@@ -145,7 +145,7 @@ def _key(state: Any) -> Hashable:
 
 def _stream(state: Any) -> tuple[Hashable, Hashable]:
     """A request's (session, stream), as the book keys them."""
-    return _key(state), state.hints.stream
+    return program_of(state), state.hints.stream
 
 
 class SessionOracle(SessionAware):

@@ -169,7 +169,7 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
     if slots is None:
         slots = sum(r.prompt_len + r.output_len for r in requests) + page * (len(requests) + 1)
     if cache is None and needs_future(config.eviction_policy):  # a clairvoyant policy knows every arrival
-        future = FutureUses(_CacheablePrompts(requests), config.page_size)
+        future = FutureUses(CacheablePrompts(requests), config.page_size)
     else:  # a ready cache whose policy was handed its future marks requests served the same way
         future = getattr(getattr(cache, "policy", None), "future", None)
     cost = cost or CostModel()
@@ -185,7 +185,7 @@ def build_replica(requests: Sequence[Request], config: StackConfig, preemption: 
                    "in_batch_sharing": getattr(stack.scheduler.policy, "threshold", None), "preemption": preemption}
 
 
-class _CacheablePrompts:
+class CacheablePrompts:
     """Each request's cacheable prompt and namespace, in order, built as they are read (``FutureUses`` reads
     them twice): a replay of block prompts never holds every prompt's tokens at once."""
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from radixkv.cache.eviction import REFERENCES
 from radixkv.cache.factory import make_cache
 from radixkv.cache.future import FutureUses
-from radixkv.sim.cluster import _CacheablePrompts
+from radixkv.sim.cluster import CacheablePrompts
 from radixkv.sim.engine import simulate
 from radixkv.sim.replica import SimResult
 from radixkv.workloads.request import Request
+
+CLAIRVOYANT = next(iter(REFERENCES))  # the eviction reference that is handed the future
 
 
 def served_order(result: SimResult, requests: int) -> list[int]:
@@ -45,8 +48,8 @@ def belady_on_served_order(requests: Sequence[Request], *, page_size: int = 1, r
     requests = list(requests)
     order: list[int] | None = None
     for k in range(1, rounds + 1):
-        future = FutureUses(_CacheablePrompts(requests), page_size, order=order)
-        cache = make_cache("radix", page_size=page_size, eviction_policy="belady", future=future)
+        future = FutureUses(CacheablePrompts(requests), page_size, order=order)
+        cache = make_cache("radix", page_size=page_size, eviction_policy=CLAIRVOYANT, future=future)
         result = simulate(requests, cache=cache, **settings)
         served = served_order(result, len(requests))
         if served == (order if order is not None else list(range(len(requests)))):
