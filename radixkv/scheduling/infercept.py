@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from radixkv.scheduling.continuum import RELOAD_PER_TOKEN
 from radixkv.sessions import Finish, Sessions, stream_key
 
-RELOAD_PER_TOKEN = 3.57e-5  # seconds to prefill a token: the llama3-70b-8xh100 preset's (radixkv.cost)
 SWAP_PER_TOKEN = 327_680 / 64e9  # seconds to copy a token's KV one way: Llama-3-70B bf16 over PCIe Gen5 x16
 ACTIONS = ("preserve", "discard", "swap")
 
@@ -86,12 +86,12 @@ class InferCept:
         if entry is None or state.hints.stop != Finish.TOOL_CALL:
             return
         expected = self.sessions.pauses.expected(entry.kind)
+        interception = self.hold if expected is None else expected
         others = sum(len(s.slots) for s in self.scheduler.running if s is not state)
         swap = self.swap_per_token if self.scheduler.cache.tiers else None
-        action, _ = min_waste(length, self.hold if expected is None else expected, others, self.reload_per_token,
-                              swap)
+        action, _ = min_waste(length, interception, others, self.reload_per_token, swap)
         self.chosen[action] += 1
-        entry.pin = (self.hold if expected is None else expected) if action == "preserve" else -1.0
+        entry.pin = interception if action == "preserve" else -1.0
 
     def order(self, waiting: Sequence[Any]) -> list[Any]:
         """Arrival order (FCFS). O(n log n)."""
